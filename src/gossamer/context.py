@@ -1,0 +1,299 @@
+"""Runtime context: process-group setup and the rank layout (world, machine, local).
+
+A *machine* is a set of ranks that share a host. Ranks are grouped by the node index the
+launcher gives (``GROUP_RANK``) or, failing that, by host name; ``GOSSAMER_NODES_PER_MACHINE=k``
+overrides both and makes ranks ``k*m .. k*m+k-1`` machine ``m``, so machine-level code can be
+tested on one host.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gossamer import env
+from gossamer.errors import NotInitializedError
+
+__all__ = [
+    "Layout",
+    "backend",
+    "device",
+    "host_group",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "layout",
+    "local_rank",
+    "local_size",
+    "machine_rank",
+    "machine_size",
+    "rank",
+    "shutdown",
+    "size",
+    "timeout",
+]
+
+logger = logging.getLogger("gossamer")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every rank sits: ``machine_of[r]`` is the machine index of rank ``r``."""
+
+    rank: int
+    machine_of: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the world."""
+        return len(self.machine_of)
+
+    @property
+    def machine_rank(self) -> int:
+        """Index of this rank's machine (machines numbered in order of their lowest rank)."""
+        return self.machine_of[self.rank]
+
+    @property
+    def machine_size(self) -> int:
+        """Number of machines."""
+        return max(self.machine_of) + 1
+
+    def ranks_on(self, machine: int) -> tuple[int, ...]:
+        """Ranks on ``machine``, ascending."""
+        return tuple(r for r, m in enumerate(self.machine_of) if m == machine)
+
+    @property
+    def local_rank(self) -> int:
+        """Index of this rank among the ranks of its machine."""
+        return self.ranks_on(self.machine_rank).index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        """Number of ranks on this rank's machine."""
+        return len(self.ranks_on(self.machine_rank))
+
+    @property
+    def homogeneous(self) -> bool:
+        """True when every machine holds the same number of ranks and its ranks are contiguous."""
+        per = len(self.ranks_on(0))
+        return self.size % per == 0 and all(m == r // per for r, m in enumerate(self.machine_of))
+
+
+@dataclass(frozen=True)
+class _State:
+    layout: Layout
+    backend: str
+    device: torch.device
+    host_group: dist.ProcessGroup
+    timeout: float
+    owns_process_group: bool
+
+
+_state: _State | None = None
+
+
+def _resolve_backend(requested: str) -> str:
+    if requested not in env.BACKENDS:
+        raise ValueError(f"backend must be one of {env.BACKENDS}; got {requested!r}")
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, but torch.cuda.is_available() is False")
+    return requested
+
+
+def _start_process_group(backend: str, timeout: float) -> None:
+    info = env.launch_info()
+    # A combined backend routes CUDA tensors to NCCL and CPU tensors to gloo in one group.
+    pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+    if info.world_size > 1 and not info.launched:
+        raise RuntimeError(
+            f"WORLD_SIZE={info.world_size} but MASTER_ADDR is not set; start the "
+            "program with `gossamer run -np N` or torchrun"
+        )
+    if info.launched:
+        dist.init_process_group(
+            pg_backend,
+            init_method="env://",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+    else:
+        # No launcher: a world of one, so every operation still works.
+        dist.init_process_group(
+            pg_backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=timeout),
+        )
+
+
+def _machine_key(settings: env.Settings, rank: int) -> str:
+    if settings.nodes_per_machine is not None:
+        return f"fake:{rank // settings.nodes_per_machine}"
+    info = env.launch_info()
+    if info.node_rank is not None:
+        return f"node:{info.node_rank}"
+    return f"host:{socket.gethostname()}"
+
+
+def _discover_layout(settings: env.Settings, group: dist.ProcessGroup) -> Layout:
+    me = dist.get_rank()
+    keys: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, _machine_key(settings, me), group=group)
+    index: dict[str | None, int] = {}
+    for key in keys:
+        index.setdefault(key, len(index))
+    return Layout(rank=me, machine_of=tuple(index[k] for k in keys))
+
+
+def init(*, backend: str | None = None, timeout: float | None = None) -> None:
+    """Join the job: set up ``torch.distributed`` and learn the rank layout.
+
+    Reads what ``torchrun`` (or ``gossamer run``) sets; started with plain ``python`` the
+    program is a world of size 1. If ``torch.distributed`` is already initialized, gossamer
+    uses that process group and leaves it alone at :func:`shutdown`. Calling ``init`` again
+    while initialized does nothing.
+
+    Args:
+        backend (str, optional): ``"gloo"``, ``"nccl"`` (CUDA tensors over NCCL, CPU tensors
+            over gloo) or ``"auto"``. Defaults to ``GOSSAMER_BACKEND`` (``"gloo"``).
+        timeout (float, optional): seconds a blocking wait may take. Defaults to
+            ``GOSSAMER_TIMEOUT`` (300).
+
+    Raises:
+        ValueError: for an unknown backend, NCCL without CUDA, or a non-positive timeout.
+
+    Example:
+        >>> import gossamer
+        >>> gossamer.init()
+        >>> gossamer.rank(), gossamer.size()
+        (0, 1)
+    """
+    global _state
+    settings = env.settings()
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str; got {type(backend).__name__}")
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not 0 < timeout < float("inf")
+    ):
+        raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
+    if _state is not None:
+        return
+    logging.getLogger("gossamer").setLevel(settings.log_level)
+    timeout = float(timeout if timeout is not None else settings.timeout)
+    owns = not dist.is_initialized()
+    if owns:
+        resolved = _resolve_backend((backend or settings.backend).lower())
+        _start_process_group(resolved, timeout)
+    else:
+        resolved = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+    # Window traffic and small host-side messages always go over gloo.
+    host = dist.group.WORLD if resolved == "gloo" else dist.new_group(backend="gloo")
+    found = _discover_layout(settings, host)
+    if resolved == "nccl":
+        dev = torch.device("cuda", found.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    _state = _State(
+        layout=found,
+        backend=resolved,
+        device=dev,
+        host_group=host,
+        timeout=timeout,
+        owns_process_group=owns,
+    )
+    logger.debug("initialized rank %d of %d (%s)", _state.layout.rank, _state.layout.size, resolved)
+
+
+def shutdown() -> None:
+    """Leave the job; a no-op when not initialized. Destroys the process group gossamer made."""
+    global _state
+    state, _state = _state, None
+    if state is not None and state.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    """True between :func:`init` and :func:`shutdown`."""
+    return _state is not None
+
+
+def _require() -> _State:
+    if _state is None:
+        raise NotInitializedError("gossamer is not initialized; call gossamer.init() first")
+    return _state
+
+
+def layout() -> Layout:
+    """The rank layout of the job."""
+    return _require().layout
+
+
+def rank() -> int:
+    """The rank of this process in the world, between 0 and ``size() - 1``."""
+    return _require().layout.rank
+
+
+def size() -> int:
+    """Number of ranks in the world."""
+    return _require().layout.size
+
+
+def local_rank() -> int:
+    """This rank's index on its machine."""
+    return _require().layout.local_rank
+
+
+def local_size() -> int:
+    """Number of ranks on this rank's machine."""
+    return _require().layout.local_size
+
+
+def machine_rank() -> int:
+    """Index of this rank's machine."""
+    return _require().layout.machine_rank
+
+
+def machine_size() -> int:
+    """Number of machines in the job."""
+    return _require().layout.machine_size
+
+
+def is_homogeneous() -> bool:
+    """True when all machines hold the same number of ranks, numbered contiguously."""
+    return _require().layout.homogeneous
+
+
+def backend() -> str:
+    """``"gloo"`` or ``"nccl"``."""
+    return _require().backend
+
+
+def device() -> torch.device:
+    """The device this rank computes on (``cpu``, or its CUDA device under NCCL)."""
+    return _require().device
+
+
+def host_group() -> dist.ProcessGroup:
+    """A gloo process group over the whole world, for host-side traffic."""
+    return _require().host_group
+
+
+def timeout() -> float:
+    """Seconds a blocking wait may take before it raises."""
+    return _require().timeout

@@ -1,0 +1,125 @@
+"""The only reader of environment variables in gossamer.
+
+gossamer's own settings (all optional):
+
+=============================  =========  ===================================================
+variable                       default    meaning
+=============================  =========  ===================================================
+``GOSSAMER_BACKEND``           ``gloo``   ``gloo``, ``nccl`` or ``auto`` (NCCL when CUDA is
+                                          available); :func:`gossamer.init` may override it
+``GOSSAMER_TIMEOUT``           ``300``    seconds any blocking wait may take before it raises
+                                          :class:`~gossamer.errors.CommunicationTimeout`
+``GOSSAMER_NODES_PER_MACHINE`` unset      fake machine boundaries on one host: ranks
+                                          ``k*m .. k*m+k-1`` form machine ``m``
+``GOSSAMER_LOG_LEVEL``         ``WARNING`` level of the ``gossamer`` logger
+=============================  =========  ===================================================
+
+Set by the launcher (``torchrun``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node's index), ``MASTER_ADDR``, ``MASTER_PORT``.
+Without them a program runs as world size 1.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["BACKENDS", "LaunchInfo", "Settings", "launch_info", "settings"]
+
+BACKENDS = ("gloo", "nccl", "auto")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """gossamer's settings as read from ``GOSSAMER_*`` variables."""
+
+    backend: str = "gloo"
+    timeout: float = 300.0
+    nodes_per_machine: int | None = None
+    log_level: str = "WARNING"
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the launcher told this process about its place in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @property
+    def launched(self) -> bool:
+        """True when a launcher set ``RANK`` and ``WORLD_SIZE``."""
+        return self.master_addr is not None
+
+
+def _int(env: Mapping[str, str], name: str, *, minimum: int) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer; got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"environment variable {name} must be >= {minimum}; got {value}")
+    return value
+
+
+def settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate the ``GOSSAMER_*`` variables (from ``os.environ`` by default)."""
+    env = os.environ if env is None else env
+    backend = env.get("GOSSAMER_BACKEND", "gloo").lower()
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"environment variable GOSSAMER_BACKEND must be one of {BACKENDS}; got {backend!r}"
+        )
+    raw_timeout = env.get("GOSSAMER_TIMEOUT", "300")
+    try:
+        timeout = float(raw_timeout)
+    except ValueError:
+        timeout = float("nan")
+    if not timeout > 0 or timeout == float("inf"):
+        raise ValueError(
+            f"environment variable GOSSAMER_TIMEOUT must be a positive number of "
+            f"seconds; got {raw_timeout!r}"
+        )
+    level = env.get("GOSSAMER_LOG_LEVEL", "WARNING").upper()
+    if level not in _LOG_LEVELS:
+        raise ValueError(
+            f"environment variable GOSSAMER_LOG_LEVEL must be one of {_LOG_LEVELS}; got {level!r}"
+        )
+    return Settings(
+        backend=backend,
+        timeout=timeout,
+        nodes_per_machine=_int(env, "GOSSAMER_NODES_PER_MACHINE", minimum=1),
+        log_level=level,
+    )
+
+
+def launch_info(env: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Read what ``torchrun`` sets; world size 1 when nothing is set."""
+    env = os.environ if env is None else env
+    world_size = _int(env, "WORLD_SIZE", minimum=1)
+    rank = _int(env, "RANK", minimum=0)
+    if world_size is None or rank is None:
+        return LaunchInfo()
+    if rank >= world_size:
+        raise ValueError(
+            f"environment variable RANK={rank} is out of range for WORLD_SIZE={world_size}"
+        )
+    return LaunchInfo(
+        rank=rank,
+        world_size=world_size,
+        local_rank=_int(env, "LOCAL_RANK", minimum=0),
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", minimum=1),
+        node_rank=_int(env, "GROUP_RANK", minimum=0),
+        master_addr=env.get("MASTER_ADDR") or None,
+        master_port=_int(env, "MASTER_PORT", minimum=1),
+    )
