@@ -1,0 +1,104 @@
+import pytest
+
+from gossamer.launcher import cli
+from gossamer.launcher.hosts import is_local_host, parse_hosts, place
+
+
+def test_split_stops_at_the_script_and_keeps_its_options():
+    ours, cmd = cli._split(["run", "-np", "4", "--verbose", "train.py", "-np", "9", "--lr=1"])
+    assert ours == ["run", "-np", "4", "--verbose"]
+    assert cmd == ["train.py", "-np", "9", "--lr=1"]
+
+
+def test_split_recognises_a_module():
+    ours, cmd = cli._split(["run", "-np", "2", "-m", "pytest", "-q", "tests/x.py"])
+    assert ours == ["run", "-np", "2"]
+    assert cmd == ["-m", "pytest", "-q", "tests/x.py"]
+
+
+def _plan(argv):
+    ours, cmd = cli._split(argv)
+    return cli._plan(cli.build_parser().parse_args(ours), cmd)
+
+
+def test_single_machine_plan_is_standalone_torchrun():
+    plan = _plan(["run", "-np", "3", "a.py", "x"])
+    assert plan["torchrun"] == [
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=3",
+        "--max-restarts=0",
+        "a.py",
+        "x",
+    ]
+
+
+def test_multi_machine_plan_uses_the_rendezvous_endpoint():
+    plan = _plan(["run", "-np", "8", "--nnodes", "2", "--rdzv-endpoint", "h:1234", "-m", "m"])
+    assert plan["torchrun"][:4] == [
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=h:1234",
+        "--rdzv-id=gossamer",
+    ]
+    assert plan["torchrun"][4:] == ["--nproc-per-node=4", "--max-restarts=0", "--module", "m"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["run", "a.py"], "-np"),
+        (["run", "-np", "2"], "no program"),
+        (["run", "-np", "2", "-m"], "no program"),
+        (["run", "-np", "3", "--nnodes", "2", "--rdzv-endpoint", "h:1", "a.py"], "divisible"),
+        (["run", "-np", "4", "--nnodes", "2", "a.py"], "--rdzv-endpoint"),
+        (["run", "-np", "4", "-H", "a:2,b:2", "--nnodes", "2", "a.py"], "cannot be combined"),
+        (["run", "-np", "5", "-H", "a:2,b:2", "a.py"], "more than the 4 slots"),
+    ],
+)
+def test_bad_plans_are_refused_with_the_argument_named(argv, words):
+    with pytest.raises(ValueError, match=words):
+        _plan(argv)
+
+
+@pytest.mark.parametrize("np_value", ["0", "-1", "two", "1.5"])
+def test_bad_np_exits_2_and_names_the_argument(np_value, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "-np", np_value, "a.py"])
+    assert info.value.code == 2
+    assert "-np" in capsys.readouterr().err
+
+
+def test_bad_plan_exits_2_before_starting_anything(capsys):
+    assert cli.main(["run", "-np", "2", "-H", "host:x", "a.py"]) == 2
+    assert "-H/--hosts entry 'host:x'" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("gossamer ")
+
+
+def test_parse_hosts():
+    assert parse_hosts("h1:4,h2:2") == [("h1", 4), ("h2", 2)]
+    assert parse_hosts("h1") == [("h1", 1)]
+    assert parse_hosts(" a:1 , b:3 ") == [("a", 1), ("b", 3)]
+
+
+@pytest.mark.parametrize("bad", ["", "h:0", "h:-1", "h:x", ":2", "a:1,a:2", "a b:1", 5])
+def test_parse_hosts_rejects(bad):
+    with pytest.raises(ValueError, match="-H/--hosts"):
+        parse_hosts(bad)
+
+
+def test_place_fills_hosts_in_order():
+    hosts = [("a", 2), ("b", 2), ("c", 4)]
+    assert place(3, hosts) == [("a", 2), ("b", 1)]
+    assert place(8, hosts) == [("a", 2), ("b", 2), ("c", 4)]
+    with pytest.raises(ValueError, match="-np 9"):
+        place(9, hosts)
+
+
+def test_local_hosts():
+    assert is_local_host("localhost") and is_local_host("127.0.0.2")
+    assert not is_local_host("node-that-is-elsewhere")

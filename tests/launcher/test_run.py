@@ -1,0 +1,103 @@
+"""End-to-end runs of `gossamer run` (each starts real torchrun agents and ranks)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPORT = textwrap.dedent(r"""
+    import os, signal, sys
+    import gossamer
+    gossamer.init()
+    # One write per line: the ranks share the pipe and must not interleave.
+    os.write(1, f"rank {gossamer.rank()} of {gossamer.size()} machine "
+                f"{gossamer.machine_rank()}/{gossamer.machine_size()}\n".encode())
+    if len(sys.argv) > 2 and gossamer.rank() == int(sys.argv[2]):
+        if sys.argv[1] == "exit":
+            sys.exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    gossamer.shutdown()
+""")
+
+
+def _gossamer(args, tmp_path, env=None, timeout=180):
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    full_env = {**os.environ, **(env or {})}
+    cmd = [sys.executable, "-m", "gossamer.launcher", "run", *args]
+    cmd = [str(script) if a == "REPORT" else a for a in cmd]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=tmp_path
+    )
+
+
+def _ranks(stdout):
+    return sorted(line for line in stdout.splitlines() if line.startswith("rank "))
+
+
+def test_two_ranks_report_rank_and_size(tmp_path):
+    done = _gossamer(["-np", "2", "REPORT"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert _ranks(done.stdout) == ["rank 0 of 2 machine 0/1", "rank 1 of 2 machine 0/1"]
+
+
+def test_a_failing_rank_fails_the_launch_with_its_exit_code_and_name(tmp_path):
+    done = _gossamer(["-np", "3", "REPORT", "exit", "1"], tmp_path)
+    assert done.returncode == 3
+    assert "gossamer run: rank 1 (local rank 1" in done.stderr
+    assert "failed with exit code 3" in done.stderr
+
+
+def test_a_killed_rank_is_named_with_its_signal(tmp_path):
+    done = _gossamer(["-np", "2", "REPORT", "kill", "0"], tmp_path)
+    assert done.returncode == 128 + 9
+    assert "rank 0" in done.stderr and "SIGKILL" in done.stderr
+
+
+def test_module_mode_runs_pytest_under_the_launcher(tmp_path):
+    (tmp_path / "test_inside.py").write_text(
+        "import gossamer\n\ndef test_size():\n    gossamer.init()\n"
+        "    assert gossamer.size() == 2\n"
+    )
+    done = _gossamer(
+        ["-np", "2", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inside.py"], tmp_path
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("1 passed") == 2
+
+
+def test_hosts_start_one_agent_per_machine(tmp_path):
+    # Two "machines" on this host (both names are local), plus a fake ssh for a remote name:
+    # the remote agent is started through `ssh HOST CMD`, which the fake runs here.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ssh").write_text('#!/bin/sh\nshift 3\nexec sh -c "$1"\n')
+    (fake / "ssh").chmod(0o755)
+    env = {"PATH": f"{fake}:{os.environ['PATH']}"}
+    done = _gossamer(
+        ["-np", "3", "-H", "localhost:1,127.0.0.1:1,elsewhere:1", "REPORT"], tmp_path, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    lines = _ranks(done.stdout)
+    assert [line.split(" machine ")[0] for line in lines] == [
+        "rank 0 of 3",
+        "rank 1 of 3",
+        "rank 2 of 3",
+    ]
+    assert {line.split(" machine ")[1] for line in lines} == {"0/3", "1/3", "2/3"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-np", "0", "REPORT"], "-np must be an integer >= 1"),
+        (["-np", "2", "-H", "a:1,,b:1", "REPORT"], "-H/--hosts entry"),
+    ],
+)
+def test_bad_input_fails_before_anything_starts(tmp_path, args, message):
+    done = _gossamer(args, tmp_path, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "rank" not in done.stdout
