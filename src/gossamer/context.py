@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,6 +34,7 @@ __all__ = [
     "local_size",
     "machine_rank",
     "machine_size",
+    "on_shutdown",
     "rank",
     "shutdown",
     "size",
@@ -96,6 +98,13 @@ class _State:
 
 
 _state: _State | None = None
+_shutdown_hooks: list[Callable[[], None]] = []
+
+
+def on_shutdown(hook: Callable[[], None]) -> None:
+    """Register ``hook`` to run at every :func:`shutdown` (higher layers drop their state)."""
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.append(hook)
 
 
 def _resolve_backend(requested: str) -> str:
@@ -220,6 +229,9 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> None:
 def shutdown() -> None:
     """Leave the job; a no-op when not initialized. Destroys the process group gossamer made."""
     global _state
+    if _state is not None:
+        for hook in reversed(_shutdown_hooks):
+            hook()
     state, _state = _state, None
     if state is not None and state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,45 @@
+"""Communication: collectives, neighbour and hierarchical operations, default topologies.
+
+Every operation has one call shape, ``op(tensor, *, ..., group=None, async_op=False)``:
+out of place, blocking unless ``async_op=True``, which returns a :class:`Handle`.
+"""
+
+from __future__ import annotations
+
+from gossamer.ops.collectives import (
+    allgather,
+    allreduce,
+    allreduce_,
+    barrier,
+    broadcast,
+    broadcast_,
+)
+from gossamer.ops.defaults import (
+    get_machine_topology,
+    get_topology,
+    set_machine_topology,
+    set_topology,
+)
+from gossamer.ops.handle import Handle
+from gossamer.ops.hierarchical import hierarchical_neighbor_allreduce, local_allreduce, local_group
+from gossamer.ops.neighbor import neighbor_allgather, neighbor_allreduce, pair_gossip
+
+__all__ = [
+    "Handle",
+    "allgather",
+    "allreduce",
+    "allreduce_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "get_machine_topology",
+    "get_topology",
+    "hierarchical_neighbor_allreduce",
+    "local_allreduce",
+    "local_group",
+    "neighbor_allgather",
+    "neighbor_allreduce",
+    "pair_gossip",
+    "set_machine_topology",
+    "set_topology",
+]

@@ -1,0 +1,90 @@
+"""Argument checks shared by the operations; each error names the argument and the value."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "AVERAGING_DTYPES",
+    "check_rank",
+    "check_rank_list",
+    "check_tensor",
+    "check_weight",
+    "check_weights",
+]
+
+AVERAGING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(tensor: object, dtypes: Collection[torch.dtype], op: str) -> torch.Tensor:
+    """Return ``tensor`` if it is a tensor of one of ``dtypes``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op}: tensor must be a torch.Tensor; got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{op}: tensor dtype {tensor.dtype} is not supported; use one of {names}")
+    if tensor.is_sparse:
+        raise TypeError(f"{op}: sparse tensors are not supported")
+    return tensor
+
+
+def check_rank(value: object, name: str, size: int) -> int:
+    """Return ``value`` if it is an int in ``[0, size)``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int rank; got {value!r}")
+    if not 0 <= value < size:
+        raise ValueError(f"{name} must be a rank in [0, {size}); got {value}")
+    return value
+
+
+def check_weight(value: object, name: str) -> float:
+    """Return ``value`` as a float if it is a finite real number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a real number; got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}")
+    return float(value)
+
+
+def check_weights(
+    weights: object,
+    name: str,
+    size: int,
+    me: int,
+    allowed: Collection[int] | None = None,
+    allowed_what: str = "",
+) -> dict[int, float]:
+    """Return ``weights`` as ``{rank: float}``: a mapping of other ranks to finite numbers.
+
+    ``allowed`` restricts the keys (e.g. to the in-neighbours, described by ``allowed_what``).
+    """
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"{name} must be a mapping {{rank: weight}}; got {type(weights).__name__}")
+    out = {}
+    for rank, weight in weights.items():
+        check_rank(rank, f"{name} key", size)
+        if rank == me:
+            raise ValueError(f"{name} must not contain this rank ({me}); use self_weight")
+        out[rank] = check_weight(weight, f"{name}[{rank}]")
+    if allowed is not None:
+        extra = sorted(set(out) - set(allowed))
+        if extra:
+            raise ValueError(
+                f"{name} keys must be {allowed_what} of rank {me} ({sorted(allowed)}); got {extra}"
+            )
+    return out
+
+
+def check_rank_list(ranks: object, name: str, size: int, me: int) -> list[int]:
+    """Return ``ranks`` as a list: distinct ints in range, without this rank."""
+    if isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence | set | frozenset):
+        raise TypeError(f"{name} must be a sequence of ranks; got {type(ranks).__name__}")
+    out = [check_rank(r, f"{name} entry", size) for r in ranks]
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} must not repeat a rank; got {list(ranks)}")
+    if me in out:
+        raise ValueError(f"{name} must not contain this rank ({me})")
+    return out

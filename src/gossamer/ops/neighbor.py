@@ -1,0 +1,278 @@
+r"""Neighbour operations: every rank exchanges data only with its neighbours in a graph.
+
+Static mode takes the graph from ``topology=`` or the group's default
+(:func:`~gossamer.ops.defaults.set_topology`). Dynamic mode names the peers of this call
+explicitly (``src_weights`` / ``dst_weights``, or ``src_ranks`` / ``dst_ranks``); they may
+lie outside any topology, and each rank's sends must match its peers' receives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gossamer.ops import _engine, _wire
+from gossamer.ops._args import (
+    AVERAGING_DTYPES,
+    check_rank,
+    check_rank_list,
+    check_tensor,
+    check_weight,
+    check_weights,
+)
+from gossamer.ops.defaults import check_topology, get_topology, group_rank, group_size
+from gossamer.ops.handle import Handle
+from gossamer.topology import Topology
+
+__all__ = ["neighbor_allgather", "neighbor_allreduce", "pair_gossip"]
+
+
+def _combine(
+    x: torch.Tensor,
+    self_weight: float | None,
+    received: Mapping[int, torch.Tensor],
+    weights: Mapping[int, float] | None,
+) -> torch.Tensor:
+    """``self_weight * x + sum_s weights[s] * received[s]``; uniform when weights is None.
+
+    The uniform case is ``(x + sum_s received[s]) / (k + 1)``: sum first, then divide, which
+    is exact where multiplying by ``1/(k+1)`` would round (BlueFog computes it this way).
+    """
+    wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    if weights is None:
+        out = x.to(wide, copy=True)
+        for src in sorted(received):
+            out.add_(received[src])
+        out.div_(len(received) + 1)
+    else:
+        out = x.to(wide) * self_weight
+        for src in sorted(weights):
+            out.add_(received[src], alpha=weights[src])
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _is_uniform(self_weight: float, weights: Mapping[int, float], sources: Sequence[int]) -> bool:
+    share = 1.0 / (len(sources) + 1)
+    return (
+        set(weights) == set(sources)
+        and self_weight == share
+        and all(w == share for w in weights.values())
+    )
+
+
+def _send_map(x: torch.Tensor, dst_weights: Mapping[int, float]) -> dict[int, torch.Tensor]:
+    # One shared buffer for every unscaled destination; a scaled copy per weighted one.
+    return {d: x if w == 1.0 else x * w for d, w in dst_weights.items()}
+
+
+def _topology_for(topology: Topology | None, group: dist.ProcessGroup | None) -> Topology:
+    if topology is None:
+        return get_topology(group)
+    return check_topology(topology, group, "topology")
+
+
+def _check_graph(
+    op: str, sends: Sequence[int], sources: Sequence[int], group: dist.ProcessGroup | None
+) -> None:
+    """Every rank checks, from everyone's send and receive lists, that they match up."""
+    size, me = group_size(group), group_rank(group)
+    mine = torch.zeros(2 * size, dtype=torch.uint8)
+    mine[list(sends)] = 1
+    mine[[size + s for s in sources]] = 1
+    rows = [torch.empty_like(mine) for _ in range(size)]
+    _wire.wait_works(op, [(-1, dist.all_gather(rows, mine, group=group, async_op=True))])
+    send = torch.stack([r[:size] for r in rows])
+    recv = torch.stack([r[size:] for r in rows])
+    bad = (send != recv.T).nonzero().tolist()
+    if bad:
+        pairs = ", ".join(
+            f"{i}->{j} ({'sent, not received' if send[i, j] else 'received, not sent'})"
+            for i, j in bad[:8]
+        )
+        raise ValueError(
+            f"{op}: on rank {me}, sends and receives of the ranks do not match: {pairs}"
+        )
+
+
+def neighbor_allreduce(
+    tensor: torch.Tensor,
+    *,
+    self_weight: float | None = None,
+    src_weights: Mapping[int, float] | None = None,
+    dst_weights: Mapping[int, float] | Sequence[int] | None = None,
+    topology: Topology | None = None,
+    check_topology: bool = False,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    r"""Weighted average with the in-neighbours.
+
+    .. math:: y_i = w_{ii} x_i + \sum_{j \in \text{src}} w_{ji}\, m_{j \to i}
+
+    where :math:`m_{j \to i} = x_j`, or :math:`d_{j \to i} x_j` when sender j passes
+    ``dst_weights`` (it scales its copy per destination).
+
+    - No weights (static): the topology's weights, ``W[j, i]``. When they are all
+      ``1/(indegree+1)`` the result is computed as ``(x_i + sum_j x_j) / (indegree + 1)``.
+    - ``self_weight`` and ``src_weights`` (static): receive from every in-neighbour, combine
+      those named in ``src_weights`` (matched by rank; keys must be in-neighbours).
+    - Plus ``dst_weights`` (dynamic): receive from exactly the ``src_weights`` keys, send to
+      the ``dst_weights`` keys (a list means weight 1.0); both may lie outside the topology.
+
+    Out of place: the input is not modified. float16 and bfloat16 are combined in float32.
+
+    Args:
+        tensor (torch.Tensor): this rank's value (floating point); same shape on every rank.
+        self_weight (float, optional): weight of this rank's own value.
+        src_weights (Mapping[int, float], optional): receive weight per source rank.
+        dst_weights (Mapping[int, float] | Sequence[int], optional): destinations (dynamic).
+        topology (Topology, optional): graph for this call; default: the group's.
+        check_topology (bool): before sending, check with one allgather that every send has a
+            matching receive; a mismatch raises ``ValueError`` on all ranks.
+        group (ProcessGroup, optional): ranks taking part (topology ranks are group ranks).
+        async_op (bool): return a :class:`Handle` instead of waiting.
+
+    Returns:
+        torch.Tensor of the input's shape and dtype (or a Handle).
+
+    Raises:
+        TypeError: wrong argument types or dtype.
+        ValueError: weights given alone, keys that are not neighbours or ranks, duplicates.
+        PeerError: a neighbour passed another shape or dtype, or called another operation.
+        CommunicationTimeout: a neighbour did not answer within the deadline.
+
+    Example:
+        >>> # ring(3), uniform 1/3 weights; x_i = i
+        >>> gossamer.neighbor_allreduce(torch.tensor([float(gossamer.rank())]))
+        tensor([1.])  # Rank 0, 1 and 2
+    """
+    op = "neighbor_allreduce"
+    check_tensor(tensor, AVERAGING_DTYPES, op)
+    size, me = group_size(group), group_rank(group)
+    if (self_weight is None) != (src_weights is None):
+        raise ValueError(f"{op}: self_weight and src_weights must be given together")
+    if dst_weights is not None and src_weights is None:
+        raise ValueError(f"{op}: dst_weights (dynamic mode) needs self_weight and src_weights")
+    weights: dict[int, float] | None = None
+    if dst_weights is not None:
+        sw = check_weight(self_weight, "self_weight")
+        weights = check_weights(src_weights, "src_weights", size, me)
+        sources = sorted(weights)
+        if isinstance(dst_weights, Mapping):
+            dsts = check_weights(dst_weights, "dst_weights", size, me)
+        else:
+            dsts = dict.fromkeys(check_rank_list(dst_weights, "dst_weights", size, me), 1.0)
+    else:
+        graph = _topology_for(topology, group)
+        sources = list(graph.in_neighbors(me))
+        dsts = dict.fromkeys(graph.out_neighbors(me), 1.0)
+        if src_weights is None:
+            sw, weights = graph.recv_weights(me)
+        else:
+            sw = check_weight(self_weight, "self_weight")
+            weights = check_weights(src_weights, "src_weights", size, me, sources, "in-neighbours")
+    uniform = _is_uniform(sw, weights, sources)
+    if not isinstance(check_topology, bool):
+        raise TypeError(f"{op}: check_topology must be a bool; got {check_topology!r}")
+
+    def body() -> torch.Tensor:
+        if check_topology:
+            _check_graph(op, list(dsts), sources, group)
+        x = tensor.contiguous()
+        received = _wire.exchange(op, x, _send_map(x, dsts), sources, group)
+        return _combine(x, sw, received, None if uniform else weights)
+
+    return _engine.run(op, body, async_op)
+
+
+def neighbor_allgather(
+    tensor: torch.Tensor,
+    *,
+    src_ranks: Sequence[int] | None = None,
+    dst_ranks: Sequence[int] | None = None,
+    topology: Topology | None = None,
+    check_topology: bool = False,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    """Concatenate the in-neighbours' tensors along dimension 0 (not this rank's own).
+
+    Static mode: sources are the topology's in-neighbours (ascending), destinations its
+    out-neighbours. Dynamic mode: ``src_ranks`` and ``dst_ranks`` together; the result
+    follows the order of ``src_ranks``. First dimensions may differ; any dtype.
+
+    Returns:
+        torch.Tensor of shape ``(sum of the sources' first dims, *tensor.shape[1:])``.
+
+    Raises:
+        ValueError: only one of ``src_ranks``/``dst_ranks``, bad or repeated ranks, a scalar.
+        PeerError: a source sent another dtype or trailing shape.
+
+    Example:
+        >>> # ring(3): in-neighbours of rank 1 are 0 and 2
+        >>> gossamer.neighbor_allgather(torch.tensor([gossamer.rank()]))
+        tensor([0, 2])  # Rank 1
+    """
+    op = "neighbor_allgather"
+    check_tensor(tensor, _wire.DTYPES, op)
+    if tensor.dim() == 0:
+        raise ValueError(f"{op}: tensor must have at least one dimension; got a scalar")
+    size, me = group_size(group), group_rank(group)
+    if (src_ranks is None) != (dst_ranks is None):
+        raise ValueError(f"{op}: src_ranks and dst_ranks must be given together")
+    if src_ranks is None:
+        graph = _topology_for(topology, group)
+        sources, dsts = list(graph.in_neighbors(me)), list(graph.out_neighbors(me))
+    else:
+        sources = check_rank_list(src_ranks, "src_ranks", size, me)
+        dsts = check_rank_list(dst_ranks, "dst_ranks", size, me)
+
+    def body() -> torch.Tensor:
+        if check_topology:
+            _check_graph(op, dsts, sources, group)
+        x = tensor.contiguous()
+        received = _wire.exchange(op, x, dict.fromkeys(dsts, x), sources, group, any_first_dim=True)
+        if not sources:
+            return x.new_empty((0, *x.shape[1:]))
+        return torch.cat([received[s] for s in sources])
+
+    return _engine.run(op, body, async_op)
+
+
+def pair_gossip(
+    tensor: torch.Tensor,
+    target: int,
+    *,
+    self_weight: float | None = None,
+    pair_weight: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    r"""Average with one peer, which must call ``pair_gossip`` with this rank as target.
+
+    Returns :math:`(x + y) / 2`, or ``self_weight * x + pair_weight * y`` when both weights
+    are given (``y`` is the peer's tensor). Out of place.
+    """
+    op = "pair_gossip"
+    check_tensor(tensor, AVERAGING_DTYPES, op)
+    size, me = group_size(group), group_rank(group)
+    check_rank(target, "target", size)
+    if target == me:
+        raise ValueError(f"{op}: target must be another rank; got this rank ({me})")
+    if (self_weight is None) != (pair_weight is None):
+        raise ValueError(f"{op}: self_weight and pair_weight must be given together")
+    weights = None
+    if pair_weight is not None:
+        sw = check_weight(self_weight, "self_weight")
+        weights = {target: check_weight(pair_weight, "pair_weight")}
+    else:
+        sw = None
+
+    def body() -> torch.Tensor:
+        x = tensor.contiguous()
+        received = _wire.exchange(op, x, {target: x}, [target], group)
+        return _combine(x, sw, received, weights)
+
+    return _engine.run(op, body, async_op)
