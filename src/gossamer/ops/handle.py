@@ -45,7 +45,9 @@ class Handle:
         """
         try:
             return self._future.result(timeout=self._deadline_s + _GRACE_S)
-        except concurrent.futures.TimeoutError:
+        except TimeoutError:
+            if self._future.done():  # the operation's own timeout error: keep it
+                raise
             raise CommunicationTimeout(
                 f"{self._op} did not complete within {self._deadline_s + _GRACE_S:g} s"
             ) from None

@@ -1,0 +1,433 @@
+import math
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from oracle import assert_all_close, data, mix
+
+import gossamer
+from gossamer import topology as topo
+from gossamer.errors import CommunicationTimeout, PeerError
+from gossamer.testing import run_distributed
+
+SIZES = [1, 2, 3, 4]
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _static(graph, dtype, async_op):
+    x = data(gossamer.rank(), dtype=dtype)
+    before = x.clone()
+    y = gossamer.neighbor_allreduce(x, topology=graph, async_op=async_op)
+    if async_op:
+        y = y.wait()
+    assert torch.equal(x, before), "input modified"
+    return y
+
+
+def _graphs(n):
+    return {
+        "exponential_two": topo.exponential_two(n),
+        "ring": topo.ring(n),
+        "ring_right": topo.ring(n, style="right"),
+        "star": topo.star(n),
+        "mesh": topo.mesh_grid_2d(n),
+        "full": topo.fully_connected(n),
+        "symmetric_exp": topo.symmetric_exponential(n, base=2),
+    }
+
+
+@pytest.mark.parametrize("world_size", SIZES)
+@pytest.mark.parametrize(
+    "name", ["exponential_two", "ring", "ring_right", "star", "mesh", "full", "symmetric_exp"]
+)
+def test_static_topologies_against_full_weight_matrix(world_size, name):
+    graph = _graphs(world_size)[name]
+    got = run_distributed(_static, world_size, args=(graph, torch.float64, False))
+    expected = mix(graph.weights, [data(r, dtype=torch.float64) for r in range(world_size)])
+    assert_all_close(got, expected, torch.float64)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("async_op", [False, True])
+def test_static_default_weights_every_dtype(world_size, dtype, async_op):
+    graph = topo.exponential_two(world_size)
+    got = run_distributed(_static, world_size, args=(graph, dtype, async_op))
+    expected = mix(graph.weights, [data(r, dtype=dtype) for r in range(world_size)])
+    assert_all_close(got, expected, dtype)
+
+
+def _default_topology():
+    x = data(gossamer.rank(), dtype=torch.float64)
+    first = gossamer.neighbor_allreduce(x)  # exponential_two until set_topology
+    gossamer.set_topology(topo.ring(gossamer.size(), style="left"))
+    try:
+        second = gossamer.neighbor_allreduce(x)
+        assert gossamer.get_topology() == topo.ring(gossamer.size(), style="left")
+    finally:
+        gossamer.set_topology(topo.exponential_two(gossamer.size()))
+    return first, second
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_default_topology_is_exponential_two_and_can_be_set(world_size):
+    got = run_distributed(_default_topology, world_size)
+    xs = [data(r, dtype=torch.float64) for r in range(world_size)]
+    assert_all_close(
+        [g[0] for g in got], mix(topo.exponential_two(world_size).weights, xs), torch.float64
+    )
+    assert_all_close(
+        [g[1] for g in got], mix(topo.ring(world_size, style="left").weights, xs), torch.float64
+    )
+
+
+def _weighted_graph(n):
+    # Column-stochastic but not symmetric: weights differ per edge.
+    rng = np.random.default_rng(n)
+    W = (topo.exponential_two(n).weights > 0) * rng.uniform(0.5, 2.0, (n, n))
+    return topo.Topology(W / W.sum(axis=0, keepdims=True))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_weighted_topology_uses_its_weights(world_size):
+    graph = _weighted_graph(world_size)
+    got = run_distributed(_static, world_size, args=(graph, torch.float64, False))
+    expected = mix(graph.weights, [data(r, dtype=torch.float64) for r in range(world_size)])
+    assert_all_close(got, expected, torch.float64)
+
+
+def _explicit_subset():
+    r, n = gossamer.rank(), gossamer.size()
+    graph = topo.exponential_two(n)
+    sources = graph.in_neighbors(r)
+    src = {sources[0]: 0.7} if sources else {}  # a subset: matched by rank, not position
+    return gossamer.neighbor_allreduce(
+        data(r, dtype=torch.float64), self_weight=0.3, src_weights=src, topology=graph
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_explicit_src_weights_are_matched_by_rank(world_size):
+    got = run_distributed(_explicit_subset, world_size)
+    graph = topo.exponential_two(world_size)
+    W = np.zeros((world_size, world_size))
+    for i in range(world_size):
+        W[i, i] = 0.3
+        if graph.in_neighbors(i):
+            W[graph.in_neighbors(i)[0], i] = 0.7
+    expected = mix(W, [data(r, dtype=torch.float64) for r in range(world_size)])
+    assert_all_close(got, expected, torch.float64)
+
+
+def _sum_then_divide():
+    tiny = torch.full((5,), 2.0**-256, dtype=torch.float64) * (gossamer.rank() + 1)
+    y = gossamer.neighbor_allreduce(tiny)
+    expected = tiny + sum(
+        torch.full((5,), 2.0**-256, dtype=torch.float64) * (s + 1)
+        for s in gossamer.get_topology().in_neighbors(gossamer.rank())
+    )
+    expected = expected / (len(gossamer.get_topology().in_neighbors(gossamer.rank())) + 1)
+    return bool(torch.equal(y, expected))
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_uniform_weights_sum_then_divide_bit_exact(world_size):
+    assert run_distributed(_sum_then_divide, world_size) == [True] * world_size
+
+
+def _dynamic_one_peer(steps):
+    r, n = gossamer.rank(), gossamer.size()
+    schedule = topo.one_peer_exponential(topo.exponential_two(n), r)
+    x = data(r, dtype=torch.float64)
+    out = []
+    for _ in range(steps):
+        step = next(schedule)
+        x = gossamer.neighbor_allreduce(
+            x,
+            self_weight=step.self_weight,
+            src_weights=dict(step.src_weights),
+            dst_weights=dict(step.dst_weights),
+        )
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_dynamic_one_peer_schedule(world_size):
+    steps = 2 * max(1, math.ceil(math.log2(world_size)))
+    got = run_distributed(_dynamic_one_peer, world_size, args=(steps,))
+    xs = [data(r, dtype=torch.float64) for r in range(world_size)]
+    schedules = [
+        topo.one_peer_exponential(topo.exponential_two(world_size), r) for r in range(world_size)
+    ]
+    for k in range(steps):
+        W = np.zeros((world_size, world_size))
+        for i, sched in enumerate(schedules):
+            step = next(sched)
+            W[i, i] = step.self_weight
+            for s, w in step.src_weights.items():
+                W[s, i] = w
+        xs = mix(W, xs)
+        assert_all_close([g[k] for g in got], xs, torch.float64)
+
+
+def _dst_weighting():
+    r, n = gossamer.rank(), gossamer.size()
+    # send to r+1 scaled by 0.5, receive from r-1 with weight 1.0, self 0.5 -> 0.5 (x_r + x_{r-1})
+    return gossamer.neighbor_allreduce(
+        data(r, dtype=torch.float64),
+        self_weight=0.5,
+        src_weights={(r - 1) % n: 1.0},
+        dst_weights={(r + 1) % n: 0.5},
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_sender_side_dst_weights(world_size):
+    got = run_distributed(_dst_weighting, world_size)
+    xs = [data(r, dtype=torch.float64) for r in range(world_size)]
+    expected = [0.5 * (xs[r] + xs[(r - 1) % world_size]) for r in range(world_size)]
+    assert_all_close(got, expected, torch.float64)
+
+
+def _outside_topology():
+    # receive from r+1, send to r-1: not edges of the default exponential_two graph
+    r, n = gossamer.rank(), gossamer.size()
+    return gossamer.neighbor_allreduce(
+        data(r, dtype=torch.float64),
+        self_weight=0.0,
+        src_weights={(r + 1) % n: 1.0},
+        dst_weights=[(r - 1) % n],
+        check_topology=True,
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_dynamic_peers_may_lie_outside_the_topology(world_size):
+    got = run_distributed(_outside_topology, world_size)
+    expected = [data((r + 1) % world_size, dtype=torch.float64) for r in range(world_size)]
+    assert_all_close(got, expected, torch.float64)
+
+
+def _no_sources():
+    x = data(gossamer.rank(), dtype=torch.float32)
+    before = x.clone()
+    y = gossamer.neighbor_allreduce(x, self_weight=0.25, src_weights={}, dst_weights=[])
+    assert torch.equal(x, before) and y is not x
+    return y
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_no_sources_gives_self_weight_times_x(world_size):
+    got = run_distributed(_no_sources, world_size)
+    assert_all_close(got, [0.25 * data(r).double() for r in range(world_size)], torch.float32)
+
+
+def _allgather_static(graph):
+    r = gossamer.rank()
+    return gossamer.neighbor_allgather(data(r, shape=(r + 1, 2)), topology=graph)
+
+
+@pytest.mark.parametrize("world_size", SIZES)
+@pytest.mark.parametrize("name", ["exponential_two", "ring_right", "star", "full"])
+def test_neighbor_allgather_static(world_size, name):
+    graph = _graphs(world_size)[name]
+    got = run_distributed(_allgather_static, world_size, args=(graph,))
+    for r, y in enumerate(got):
+        srcs = graph.in_neighbors(r)
+        expected = (
+            torch.cat([data(s, shape=(s + 1, 2)) for s in srcs]) if srcs else torch.empty((0, 2))
+        )
+        assert torch.equal(y, expected)
+
+
+def _allgather_dynamic(seed):
+    r, n = gossamer.rank(), gossamer.size()
+    others = [s for s in range(n) if s != r]
+    order = list(np.random.default_rng(seed + r).permutation(others))
+    y = gossamer.neighbor_allgather(
+        torch.full((2,), r, dtype=torch.int64), src_ranks=[int(s) for s in order], dst_ranks=others
+    )
+    return [int(s) for s in order], y
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_neighbor_allgather_dynamic_follows_src_order(world_size):
+    for order, y in run_distributed(_allgather_dynamic, world_size, args=(7,)):
+        assert y.tolist() == [s for s in order for _ in range(2)]
+
+
+def _pair_gossip(weighted):
+    r = gossamer.rank()
+    x = data(r, dtype=torch.float64)
+    if weighted:
+        return gossamer.pair_gossip(x, r ^ 1, self_weight=0.25, pair_weight=0.75)
+    return gossamer.pair_gossip(x, r ^ 1)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pair_gossip(weighted):
+    got = run_distributed(_pair_gossip, 4, args=(weighted,))
+    xs = [data(r, dtype=torch.float64) for r in range(4)]
+    a, b = (0.25, 0.75) if weighted else (0.5, 0.5)
+    assert_all_close(got, [a * xs[r] + b * xs[r ^ 1] for r in range(4)], torch.float64)
+
+
+def _several_async_in_flight():
+    x = data(gossamer.rank(), dtype=torch.float64)
+    handles = [gossamer.neighbor_allreduce(x * k, async_op=True) for k in range(5)]
+    return [h.wait() for h in handles]
+
+
+def test_several_async_operations_in_flight():
+    got = run_distributed(_several_async_in_flight, 4)
+    xs = [data(r, dtype=torch.float64) for r in range(4)]
+    base = mix(topo.exponential_two(4).weights, xs)
+    for k in range(5):
+        assert_all_close([g[k] for g in got], [k * b for b in base], torch.float64)
+
+
+def _bad_arguments():
+    r, n = gossamer.rank(), gossamer.size()
+    x = torch.zeros(3)
+    other = (r + 1) % n
+    nar = gossamer.neighbor_allreduce
+    cases = [
+        (ValueError, "given together", lambda: nar(x, self_weight=0.5)),
+        (ValueError, "given together", lambda: nar(x, src_weights={other: 0.5})),
+        (ValueError, "needs self_weight", lambda: nar(x, dst_weights=[other])),
+        (
+            TypeError,
+            "src_weights must be a mapping",
+            lambda: nar(x, self_weight=0.5, src_weights=[other]),
+        ),
+        (
+            ValueError,
+            "in-neighbours",
+            lambda: nar(
+                x, self_weight=0.5, src_weights={(r + 3) % n: 0.5}, topology=topo.ring(n, "left")
+            ),
+        ),
+        (
+            ValueError,
+            r"src_weights key must be a rank in \[0, 4\)",
+            lambda: nar(x, self_weight=0.5, src_weights={9: 0.5}, dst_weights=[other]),
+        ),
+        (
+            ValueError,
+            "must not repeat",
+            lambda: nar(x, self_weight=0.5, src_weights={other: 0.5}, dst_weights=[other, other]),
+        ),
+        (
+            ValueError,
+            "must not contain this rank",
+            lambda: nar(x, self_weight=0.5, src_weights={r: 0.5}, dst_weights=[other]),
+        ),
+        (
+            TypeError,
+            "self_weight must be a real number",
+            lambda: nar(x, self_weight="half", src_weights={other: 0.5}, dst_weights=[other]),
+        ),
+        (
+            ValueError,
+            "finite",
+            lambda: nar(x, self_weight=0.5, src_weights={other: float("nan")}, dst_weights=[other]),
+        ),
+        (TypeError, "int64 is not supported", lambda: nar(torch.zeros(3, dtype=torch.int64))),
+        (TypeError, "topology must be", lambda: nar(x, topology="ring")),
+        (gossamer.TopologyError, "has 3 ranks", lambda: nar(x, topology=topo.ring(3))),
+        (ValueError, "given together", lambda: gossamer.neighbor_allgather(x, src_ranks=[other])),
+        (ValueError, "target must be another rank", lambda: gossamer.pair_gossip(x, r)),
+        (TypeError, "check_topology must be a bool", lambda: nar(x, check_topology="yes")),
+    ]
+    for exc, words, call in cases:
+        with pytest.raises(exc, match=words):
+            call()
+    return True
+
+
+def test_bad_arguments_are_rejected():
+    assert all(run_distributed(_bad_arguments, 4))
+
+
+def _mismatched_shape():
+    r = gossamer.rank()
+    x = torch.zeros(3 if r != 2 else 4)
+    with pytest.raises(PeerError) as info:
+        gossamer.neighbor_allreduce(x, topology=topo.fully_connected(gossamer.size()))
+    return str(info.value)
+
+
+def test_mismatched_shapes_raise_and_show_both():
+    for r, message in enumerate(run_distributed(_mismatched_shape, 3)):
+        assert "float32[3]" in message and "float32[4]" in message
+        if r != 2:
+            assert "rank 2 called neighbor_allreduce of float32[4]" in message
+
+
+def _mismatched_op():
+    r = gossamer.rank()
+    x = torch.zeros(2, 3)
+    with pytest.raises(PeerError, match="neighbor_allgather"):
+        if r == 0:
+            gossamer.neighbor_allgather(x, topology=topo.fully_connected(2))
+        else:
+            gossamer.neighbor_allreduce(x, topology=topo.fully_connected(2))
+    return gossamer.neighbor_allreduce(torch.ones(1)).item()
+
+
+def test_different_operations_raise_not_hang():
+    assert run_distributed(_mismatched_op, 2) == [1.0, 1.0]
+
+
+def _topology_check():
+    r, n = gossamer.rank(), gossamer.size()
+    # rank 0 sends to 1 but rank 1 expects rank 2: a mismatch every rank must report
+    src = {(r - 1) % n: 0.5} if r != 1 else {2: 0.5}
+    with pytest.raises(ValueError, match="do not match"):
+        gossamer.neighbor_allreduce(
+            torch.zeros(2),
+            self_weight=0.5,
+            src_weights=src,
+            dst_weights=[(r + 1) % n],
+            check_topology=True,
+        )
+    return True
+
+
+def test_topology_check_raises_on_every_rank():
+    assert run_distributed(_topology_check, 3) == [True] * 3
+
+
+def _unmatched_receive_times_out():
+    r = gossamer.rank()
+    short = dist.new_group(list(range(gossamer.size())), timeout=timedelta(seconds=2))
+    # rank 0 waits for rank 1, which sends nothing: no hang, a timeout that names rank 1
+    if r == 0:
+        with pytest.raises(CommunicationTimeout, match=r"neighbor_allreduce.*rank 1"):
+            gossamer.neighbor_allreduce(
+                torch.zeros(2), self_weight=0.5, src_weights={1: 0.5}, dst_weights=[], group=short
+            )
+    return True
+
+
+def test_unmatched_receive_times_out_naming_the_peer():
+    assert run_distributed(_unmatched_receive_times_out, 2, timeout=60) == [True, True]
+
+
+def _group_ranks():
+    # a group of the odd ranks: topology ranks are group ranks
+    n = gossamer.size()
+    odd = dist.new_group([r for r in range(n) if r % 2 == 1])
+    if gossamer.rank() % 2 == 0:
+        return None
+    x = torch.tensor([float(gossamer.rank())])
+    return gossamer.neighbor_allreduce(x, topology=topo.fully_connected(n // 2), group=odd)
+
+
+def test_neighbor_allreduce_on_a_subgroup():
+    got = run_distributed(_group_ranks, 4)
+    assert got[0] is None and got[2] is None
+    assert got[1].item() == got[3].item() == 2.0
