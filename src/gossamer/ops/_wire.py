@@ -9,6 +9,8 @@ never be taken for a header.
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -94,9 +96,24 @@ def _compatible(mine: torch.Tensor, theirs: torch.Tensor, any_first_dim: bool) -
     return a == b
 
 
-def _buffer_for(h: torch.Tensor, device: torch.device) -> torch.Tensor:
+# Receive buffers are reused across calls: a fresh multi-megabyte allocation costs page
+# faults on every call. Operations run one at a time on the communication thread and consume
+# their buffers before they return, so one buffer per (peer, dtype, size) suffices.
+_CACHE_BYTES = 512 * 2**20
+_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+
+def _buffer_for(h: torch.Tensor, device: torch.device, peer: int) -> torch.Tensor:
     _, _, dtype, shape = _fields(h)
-    return torch.empty(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    key = (peer, dtype, numel, device)
+    flat = _cache.pop(key, None)
+    if flat is None:
+        flat = torch.empty(numel, dtype=dtype, device=device)
+    _cache[key] = flat
+    while sum(t.nbytes for t in _cache.values()) > _CACHE_BYTES and len(_cache) > 1:
+        _cache.popitem(last=False)
+    return flat.view(shape)
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -156,6 +173,8 @@ def exchange(
     Ranks are ranks of ``group``. ``tensor`` is this rank's argument, against which the
     peers' headers are checked (all dims, or all but the first with ``any_first_dim``).
 
+    The returned tensors are reused by the next exchange: consume them before returning.
+
     Raises:
         PeerError: a source called another operation, dtype or shape. The data is still
             received (and dropped) first, so the sender does not hang.
@@ -163,7 +182,7 @@ def exchange(
     mine = header(op, tensor)
     heads = {s: torch.empty(_HEADER_LEN, dtype=torch.int64) for s in sources}
     _p2p(op, [(d, mine) for d in sends], list(heads.items()), group, _HEADER_TAG)
-    received = {s: _buffer_for(h, tensor.device) for s, h in heads.items()}
+    received = {s: _buffer_for(h, tensor.device, s) for s, h in heads.items()}
     _p2p(op, list(sends.items()), list(received.items()), group, _DATA_TAG)
     wrong = [s for s, h in heads.items() if not _compatible(mine, h, any_first_dim)]
     if wrong:

@@ -42,12 +42,14 @@ def _combine(
     """
     wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     if weights is None:
-        out = x.to(wide, copy=True)
-        for src in sorted(received):
+        sources = sorted(received)
+        # The first addition allocates the output, saving a separate copy of x.
+        out = torch.add(x.to(wide), received[sources[0]]) if sources else x.to(wide, copy=True)
+        for src in sources[1:]:
             out.add_(received[src])
         out.div_(len(received) + 1)
     else:
-        out = x.to(wide) * self_weight
+        out = torch.mul(x.to(wide), self_weight)
         for src in sorted(weights):
             out.add_(received[src], alpha=weights[src])
     return out if out.dtype == x.dtype else out.to(x.dtype)
