@@ -24,6 +24,7 @@ from gossamer.errors import (
     NotInitializedError,
     PeerError,
     TopologyError,
+    WindowError,
 )
 from gossamer.ops import (
     Handle,
@@ -43,6 +44,7 @@ from gossamer.ops import (
     set_machine_topology,
     set_topology,
 )
+from gossamer.windows import Window, live_windows
 
 __version__ = "0.1.0"
 
@@ -53,6 +55,8 @@ __all__ = [
     "NotInitializedError",
     "PeerError",
     "TopologyError",
+    "Window",
+    "WindowError",
     "__version__",
     "allgather",
     "allreduce",
@@ -66,6 +70,7 @@ __all__ = [
     "init",
     "is_homogeneous",
     "is_initialized",
+    "live_windows",
     "local_allreduce",
     "local_rank",
     "local_size",

@@ -8,6 +8,7 @@ __all__ = [
     "NotInitializedError",
     "PeerError",
     "TopologyError",
+    "WindowError",
 ]
 
 
@@ -29,3 +30,7 @@ class CommunicationTimeout(GossamerError, TimeoutError):
 
 class PeerError(GossamerError, RuntimeError):
     """A peer died, or called a different operation or tensor layout than this rank."""
+
+
+class WindowError(GossamerError, RuntimeError):
+    """A window was used after it was freed, or does not exist at a peer."""

@@ -54,6 +54,7 @@ _OPS = (
     "neighbor_allgather",
     "hierarchical_neighbor_allreduce",
     "pair_gossip",
+    "window_create",
 )
 
 

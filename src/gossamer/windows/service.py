@@ -1,0 +1,376 @@
+"""The window service: one progress thread per rank that serves one-sided requests.
+
+torch.distributed has no remote memory access, so a put is a message: the origin sends a
+header and a payload, the target's progress thread writes the payload into the origin's slot
+under the window's lock and acknowledges, and the origin's request completes on the
+acknowledgement. The target never has to call anything for a put to land.
+
+Headers are 16 float64 values on one tag, received from any source; each payload travels on
+a tag of its own request, so concurrent requests never mix. The progress thread only posts
+non-blocking sends, so two ranks answering each other cannot deadlock. It stops on a STOP
+message from its predecessor in a ring (stopping is collective), never on a timeout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from gossamer import context
+from gossamer.errors import CommunicationTimeout, PeerError, WindowError
+
+__all__ = ["Kind", "Service", "WindowState"]
+
+logger = logging.getLogger("gossamer.windows")
+
+_MAGIC = 7.0e7 + 7
+_HEADER_TAG = 0x7701
+_PAYLOAD_TAG_BASE = 1 << 20
+_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+
+
+class Kind(IntEnum):
+    """Message kinds."""
+
+    PUT = 1
+    ACCUMULATE = 2
+    GET = 3
+    REPLY = 4
+    ACK = 5
+    NACK = 6
+    LOCK = 7
+    GRANT = 8
+    UNLOCK = 9
+    STOP = 10
+
+
+@dataclass
+class _Mutex:
+    """One (owner, peer) lock: its holder and a FIFO of waiters."""
+
+    holder: object = None
+    waiters: deque = field(default_factory=deque)
+
+
+@dataclass
+class WindowState:
+    """What a rank holds for one window: its tensor, one buffer per in-neighbour, and so on."""
+
+    wid: int
+    name: str
+    tensor: torch.Tensor
+    buffers: dict[int, torch.Tensor]
+    versions: dict[int, int]
+    p_buffers: dict[int, float]
+    p: float = 1.0
+    push_sum: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    mutexes: dict[int, _Mutex] = field(default_factory=dict)
+    staging: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def stage(self, peer: int) -> torch.Tensor:
+        """A host buffer of the window's shape to receive ``peer``'s payload into."""
+        if peer not in self.staging:
+            self.staging[peer] = torch.empty(self.tensor.shape, dtype=self.tensor.dtype)
+        return self.staging[peer]
+
+
+def _header(
+    kind: Kind,
+    wid: int,
+    req: int,
+    numel: int = 0,
+    dtype: int = 0,
+    value: float = 0.0,
+    slot: int = 0,
+) -> torch.Tensor:
+    h = torch.zeros(16, dtype=torch.float64)
+    h[:8] = torch.tensor([_MAGIC, kind, wid, req, numel, dtype, value, slot], dtype=torch.float64)
+    return h
+
+
+class Service:
+    """Messaging, lock tables and the progress thread of one rank."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.windows: dict[int, WindowState] = {}
+        self._ids = itertools.count(1)
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._sends: list[tuple] = []
+        self._lock = threading.Lock()
+        self._broken: Exception | None = None
+        self._thread = threading.Thread(target=self._serve, name="gossamer-windows", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- origin side
+    def request(
+        self,
+        kind: Kind,
+        target: int,
+        wid: int,
+        *,
+        payload: torch.Tensor | None = None,
+        value: float = 0.0,
+        slot: int = 0,
+    ) -> tuple[concurrent.futures.Future, list]:
+        """Send a request to ``target``; the future completes on its answer."""
+        self.check()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            req = next(self._ids)
+            self._pending[req] = future
+        numel = 0 if payload is None else payload.numel()
+        dtype = 0 if payload is None else _DTYPES.index(payload.dtype)
+        head = _header(kind, wid, req, numel, dtype, value, slot)
+        try:
+            sends = [(self.group.send([head], target, _HEADER_TAG), head)]
+            if payload is not None:
+                tag = _PAYLOAD_TAG_BASE + req % (1 << 30)
+                sends.append((self.group.send([payload], target, tag), payload))
+        except RuntimeError as err:
+            with self._lock:
+                self._pending.pop(req, None)
+            raise PeerError(
+                f"window {kind.name.lower()}: cannot reach rank {target} ({err}); "
+                "did that rank crash or exit?"
+            ) from err
+        return future, sends
+
+    def wait(
+        self, what: str, target: int, future: concurrent.futures.Future, sends: list
+    ) -> object:
+        """Wait for a request's sends and its answer, within the deadline."""
+        deadline = context.timeout()
+        for work, _ in sends:
+            try:
+                work.wait()
+            except RuntimeError as err:
+                raise PeerError(
+                    f"{what}: sending to rank {target} failed ({err}); did that rank crash or exit?"
+                ) from err
+        try:
+            return future.result(timeout=deadline)
+        except concurrent.futures.TimeoutError:
+            if future.done():
+                raise
+            raise CommunicationTimeout(
+                f"{what}: rank {target} did not answer within {deadline:g} s"
+            ) from None
+
+    def check(self) -> None:
+        """Raise if the progress thread has failed."""
+        if self._broken is not None:
+            raise PeerError(f"the window service of rank {self.rank} failed: {self._broken}")
+
+    # ------------------------------------------------------------------ lock tables
+    def acquire_local(self, state: WindowState, slot: int) -> None:
+        """Take this rank's own mutex ``slot`` of ``state`` (FIFO with remote requests)."""
+        event = threading.Event()
+        with state.lock:
+            mutex = state.mutexes.setdefault(slot, _Mutex())
+            if mutex.holder is None:
+                mutex.holder = ("local", event)
+                event.set()
+            else:
+                mutex.waiters.append(("local", event))
+        deadline = context.timeout()
+        while not event.wait(timeout=min(deadline, 1.0)):
+            self.check()
+            deadline -= 1.0
+            if deadline <= 0:
+                with state.lock:
+                    mutex.waiters = deque(w for w in mutex.waiters if w[1] is not event)
+                    holder = mutex.holder
+                who = f"rank {holder[1]}" if holder and holder[0] == "remote" else "this rank"
+                raise CommunicationTimeout(
+                    f"window {state.name!r}: mutex slot {slot} of rank {self.rank}, held by "
+                    f"{who}, was not released within {context.timeout():g} s (did it die?)"
+                )
+
+    def release(self, state: WindowState, slot: int) -> None:
+        """Release mutex ``slot`` of ``state`` and hand it to the next waiter."""
+        with state.lock:
+            mutex = state.mutexes.setdefault(slot, _Mutex())
+            mutex.holder = mutex.waiters.popleft() if mutex.waiters else None
+            nxt = mutex.holder
+        if nxt is None:
+            return
+        if nxt[0] == "local":
+            nxt[1].set()
+        else:
+            _, origin, req = nxt
+            self._post(origin, _header(Kind.GRANT, state.wid, req))
+
+    # ------------------------------------------------------------------ target side
+    def _post(self, dst: int, *tensors_and_tags: object) -> None:
+        """Non-blocking sends from the progress thread (kept alive until they complete)."""
+        head = tensors_and_tags[0]
+        # Called from the progress thread and from release() on any thread: a dropped Work
+        # would cancel its send, so the list is only changed under the lock.
+        with self._lock:
+            self._sends.append((self.group.send([head], dst, _HEADER_TAG), head))
+            if len(tensors_and_tags) > 1:
+                payload, tag = tensors_and_tags[1], tensors_and_tags[2]
+                self._sends.append((self.group.send([payload], dst, tag), payload))
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+
+    def _recv_payload(self, src: int, req: int, out: torch.Tensor) -> None:
+        self.group.recv([out], src, _PAYLOAD_TAG_BASE + req % (1 << 30)).wait()
+
+    def _serve(self) -> None:
+        handlers: dict[int, Callable] = {
+            Kind.PUT: self._on_write,
+            Kind.ACCUMULATE: self._on_write,
+            Kind.GET: self._on_get,
+            Kind.REPLY: self._on_reply,
+            Kind.ACK: self._on_answer,
+            Kind.NACK: self._on_answer,
+            Kind.GRANT: self._on_answer,
+            Kind.LOCK: self._on_lock,
+            Kind.UNLOCK: self._on_unlock,
+        }
+        while True:
+            head = torch.empty(16, dtype=torch.float64)
+            try:
+                work = self.group.recv_anysource([head], _HEADER_TAG)
+                work.wait()
+                src = work._source_rank()
+                values = head.tolist()
+                if values[0] != _MAGIC:
+                    raise PeerError(f"corrupt window message from rank {src}: {values[:8]}")
+                kind = Kind(int(values[1]))
+                if kind == Kind.STOP:
+                    return
+                handlers[kind](kind, src, values)
+            except Exception as err:  # a peer died or spoke nonsense: fail every waiter
+                self._fail(err)
+                return
+
+    def _fail(self, err: Exception) -> None:
+        logger.error("window service of rank %d stopped: %s", self.rank, err)
+        self._broken = err
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(PeerError(f"window service failed: {err}"))
+
+    def _state(self, wid: int) -> WindowState | None:
+        return self.windows.get(wid)
+
+    def _on_write(self, kind: Kind, src: int, v: list) -> None:
+        wid, req, numel, dtype, value = int(v[2]), int(v[3]), int(v[4]), int(v[5]), v[6]
+        state = self._state(wid)
+        if (
+            state is None
+            or src not in state.buffers
+            or state.tensor.numel() != numel
+            or state.tensor.dtype != _DTYPES[dtype]
+        ):
+            self._recv_payload(src, req, torch.empty(numel, dtype=_DTYPES[dtype]))  # drain
+            self._post(src, _header(Kind.NACK, wid, req))
+            return
+        stage = state.stage(src)
+        self._recv_payload(src, req, stage)
+        with state.lock:
+            if kind == Kind.PUT:
+                state.buffers[src].copy_(stage)
+                state.versions[src] += 1
+                state.p_buffers[src] = value
+            else:
+                state.buffers[src].add_(stage)
+                state.p_buffers[src] += value
+        self._post(src, _header(Kind.ACK, wid, req))
+
+    def _on_get(self, kind: Kind, src: int, v: list) -> None:
+        wid, req = int(v[2]), int(v[3])
+        state = self._state(wid)
+        if state is None:
+            self._post(src, _header(Kind.NACK, wid, req))
+            return
+        with state.lock:
+            copy = state.tensor.detach().to("cpu", copy=True).contiguous()
+        self._post(
+            src,
+            _header(Kind.REPLY, wid, req, copy.numel(), _DTYPES.index(copy.dtype)),
+            copy,
+            _PAYLOAD_TAG_BASE + req % (1 << 30),
+        )
+
+    def _on_reply(self, kind: Kind, src: int, v: list) -> None:
+        wid, req = int(v[2]), int(v[3])
+        state = self._state(wid)
+        stage = (
+            state.stage(src)
+            if state is not None
+            else torch.empty(int(v[4]), dtype=_DTYPES[int(v[5])])
+        )
+        self._recv_payload(src, req, stage)
+        if state is not None:
+            with state.lock:
+                state.buffers[src].copy_(stage)
+                state.versions[src] += 1
+        self._on_answer(Kind.ACK, src, v)
+
+    def _on_answer(self, kind: Kind, src: int, v: list) -> None:
+        with self._lock:
+            future = self._pending.pop(int(v[3]), None)
+        if future is None:
+            return
+        if kind == Kind.NACK:
+            future.set_exception(
+                WindowError(
+                    f"rank {src} refused the request: it has no such window (freed?), or this "
+                    "rank is not its in-neighbour there, or the shape differs"
+                )
+            )
+        else:
+            future.set_result(None)
+
+    def _on_lock(self, kind: Kind, src: int, v: list) -> None:
+        wid, req, slot = int(v[2]), int(v[3]), int(v[7])
+        state = self._state(wid)
+        if state is None:
+            self._post(src, _header(Kind.NACK, wid, req))
+            return
+        with state.lock:
+            mutex = state.mutexes.setdefault(slot, _Mutex())
+            granted = mutex.holder is None
+            if granted:
+                mutex.holder = ("remote", src, req)
+            else:
+                mutex.waiters.append(("remote", src, req))
+        if granted:
+            self._post(src, _header(Kind.GRANT, wid, req))
+
+    def _on_unlock(self, kind: Kind, src: int, v: list) -> None:
+        state = self._state(int(v[2]))
+        if state is not None:
+            self.release(state, int(v[7]))
+        self._post(src, _header(Kind.ACK, int(v[2]), int(v[3])))
+
+    # ------------------------------------------------------------------ lifecycle
+    def stop(self) -> None:
+        """Collective: every rank tells its successor's thread to stop, then joins its own."""
+        if self.size > 1 and self._broken is None:
+            head = _header(Kind.STOP, 0, 0)
+            work = self.group.send([head], (self.rank + 1) % self.size, _HEADER_TAG)
+            try:
+                work.wait()
+            except RuntimeError as err:
+                logger.warning("window service: stop message not delivered: %s", err)
+        self._thread.join(timeout=context.timeout())
+        if self._thread.is_alive():
+            logger.warning("window service thread of rank %d did not stop", self.rank)

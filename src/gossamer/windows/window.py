@@ -1,0 +1,485 @@
+r"""One-sided windows: ranks read and write each other's buffers without waiting for them.
+
+Every rank registers a tensor :math:`x_r` and holds one buffer :math:`b_r[s]` per
+in-neighbour :math:`s`. ``put`` overwrites this rank's slot at each destination,
+``accumulate`` adds into it, ``get`` copies a source's current tensor into the local buffer,
+and ``update`` combines :math:`x_r \leftarrow w_{rr} x_r + \sum_s w_{sr} b_r[s]`. With
+push-sum on, a scalar :math:`p` travels with every put and accumulate and is combined by
+``update`` the same way, so :math:`x / p` converges to the average on any strongly connected
+directed graph (Kempe et al., 2003).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from gossamer import context
+from gossamer.errors import WindowError
+from gossamer.ops import _engine, _wire
+from gossamer.ops._args import check_rank, check_weight, check_weights
+from gossamer.ops.defaults import _live_windows, check_topology, get_topology
+from gossamer.ops.handle import Handle
+from gossamer.topology import Topology
+from gossamer.windows.service import _DTYPES, Kind, Service, WindowState
+
+__all__ = ["Window", "live_windows"]
+
+_service: list[Service] = []
+_group: list[dist.ProcessGroup] = []
+_windows: dict[str, Window] = {}
+_ids = itertools.count(1)
+# Window operations from this rank run one at a time, in call order, on this thread.
+_client: list[ThreadPoolExecutor] = []
+
+
+def live_windows() -> list[str]:
+    """Names of the windows that exist now, sorted."""
+    return sorted(_windows)
+
+
+def _get_client() -> ThreadPoolExecutor:
+    if not _client:
+        _client.append(ThreadPoolExecutor(1, thread_name_prefix="gossamer-window-ops"))
+    return _client[0]
+
+
+class Window:
+    """A tensor that neighbours can put into, accumulate into and get from.
+
+    Create with :meth:`create` (collective), release with :meth:`free` (collective) or use
+    as a context manager. Operations take a lock-free path by default; ``require_mutex`` or
+    :meth:`mutex` serialise access to one (owner, peer) slot.
+
+    Example:
+        >>> with Window.create(x, zero_init=True) as win:  # doctest: +SKIP
+        ...     win.put()             # x lands in my slot at every out-neighbour
+        ...     gossamer.barrier()
+        ...     win.update()          # x <- average of x and the received buffers
+    """
+
+    def __init__(self, state: WindowState, topology: Topology) -> None:
+        self._state: WindowState | None = state
+        self._topology = topology
+        self.name = state.name
+        me = context.rank()
+        self.in_neighbors: tuple[int, ...] = topology.in_neighbors(me)
+        self.out_neighbors: tuple[int, ...] = topology.out_neighbors(me)
+
+    # ----------------------------------------------------------------- lifecycle
+    @classmethod
+    def create(
+        cls,
+        tensor: torch.Tensor,
+        *,
+        zero_init: bool = False,
+        name: str | None = None,
+        push_sum: bool = False,
+        topology: Topology | None = None,
+    ) -> Window:
+        """Register ``tensor`` (the object itself) as this rank's window. Collective.
+
+        Buffers start as copies of ``tensor`` (zeros with ``zero_init``); their push-sum
+        weights start at 0 and this rank's own ``p`` at 1. The window captures the topology
+        (``topology`` or the default), which cannot change while windows exist.
+
+        Raises:
+            TypeError: not a tensor, or a dtype other than float32/64, int32/64.
+            ValueError: a name already in use. PeerError: ranks passed different shapes.
+        """
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _DTYPES:
+            raise TypeError(
+                "Window.create: tensor must be a torch.Tensor of float32, float64, int32 or "
+                f"int64; got {getattr(tensor, 'dtype', type(tensor).__name__)}"
+            )
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"Window.create: name must be a str; got {name!r}")
+        if name in _windows:
+            raise ValueError(f"Window.create: a window named {name!r} already exists")
+        graph = get_topology() if topology is None else check_topology(topology, None, "topology")
+
+        def body() -> Window:
+            _wire.check_same_call("window_create", tensor, None)
+            wid = next(_ids)
+            if not _service and context.size() > 1:
+                if not _group:
+                    _group.append(dist.new_group(backend="gloo"))
+                _service.append(Service(_group[0]))
+            me = context.rank()
+            init = torch.zeros_like if zero_init else torch.clone
+            host = tensor.detach().to("cpu")
+            state = WindowState(
+                wid=wid,
+                name=name or f"window{wid}",
+                tensor=tensor,
+                buffers={s: init(host) for s in graph.in_neighbors(me)},
+                versions=dict.fromkeys(graph.in_neighbors(me), 0),
+                p_buffers=dict.fromkeys(graph.in_neighbors(me), 0.0),
+                push_sum=push_sum,
+            )
+            if _service:
+                _service[0].windows[wid] = state
+            # Every rank registered it: nobody's request can arrive before its target knows.
+            _wire.wait_works("Window.create", [(-1, dist.barrier(async_op=True))])
+            return cls(state, graph)
+
+        window = _engine.run("Window.create", body, False)
+        _windows[window.name] = window
+        _live_windows.add(window.name)
+        return window
+
+    def free(self) -> None:
+        """Release the window on every rank (collective); waits for this rank's operations."""
+        state = self._require()
+        _get_client().submit(lambda: None).result()  # drain queued operations
+
+        def body() -> None:
+            _wire.wait_works("Window.free", [(-1, dist.barrier(async_op=True))])
+            if _service:
+                _service[0].windows.pop(state.wid, None)
+                if not _service[0].windows:
+                    _service.pop().stop()
+
+        self._state = None
+        _windows.pop(self.name, None)
+        _live_windows.discard(self.name)
+        _engine.run("Window.free", body, False)
+
+    def __enter__(self) -> Window:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._state is not None:
+            self.free()
+
+    def _require(self) -> WindowState:
+        if self._state is None:
+            raise WindowError(f"window {self.name!r} has been freed")
+        return self._state
+
+    def __repr__(self) -> str:
+        state = "freed" if self._state is None else f"shape {tuple(self._state.tensor.shape)}"
+        return f"Window({self.name!r}, {state})"
+
+    # ------------------------------------------------------------------ reading state
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The registered tensor (the object passed to :meth:`create`)."""
+        return self._require().tensor
+
+    @property
+    def p(self) -> float:
+        """This rank's push-sum weight (1.0 until puts, accumulates or updates change it)."""
+        return self._require().p
+
+    @property
+    def push_sum(self) -> bool:
+        """Whether puts, accumulates and updates carry the push-sum weight ``p``."""
+        return self._require().push_sum
+
+    @push_sum.setter
+    def push_sum(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"push_sum must be a bool; got {on!r}")
+        self._require().push_sum = on
+
+    def versions(self) -> dict[int, int]:
+        """``{in-neighbour: puts and gets that arrived from it since the last update}``."""
+        state = self._require()
+        with state.lock:
+            return dict(state.versions)
+
+    def buffers(self) -> dict[int, torch.Tensor]:
+        """A copy of every in-neighbour's buffer."""
+        state = self._require()
+        with state.lock:
+            return {s: b.clone() for s, b in state.buffers.items()}
+
+    def p_buffers(self) -> dict[int, float]:
+        """The push-sum weight held in every in-neighbour's slot."""
+        state = self._require()
+        with state.lock:
+            return dict(state.p_buffers)
+
+    # ------------------------------------------------------------------ operations
+    def _submit(self, what: str, fn, async_op: bool) -> Handle | None:
+        if context.size() == 1:  # nobody to talk to: run here
+            fn()
+            return None
+        handle = Handle(_get_client().submit(fn), what, context.timeout())
+        return handle if async_op else handle.wait()
+
+    def _targets(self, weights, what: str) -> dict[int, float]:
+        me, n = context.rank(), context.size()
+        if weights is None:
+            return dict.fromkeys(self.out_neighbors, 1.0)
+        if not isinstance(weights, Mapping):
+            raise TypeError(
+                f"{what}: dst_weights must be a mapping {{rank: weight}}; "
+                f"got {type(weights).__name__}"
+            )
+        return check_weights(weights, "dst_weights", n, me, self.out_neighbors, "out-neighbours")
+
+    def _write(self, kind: Kind, tensor, self_weight, dst_weights, require_mutex, async_op):
+        what = f"Window.{kind.name.lower()} on {self.name!r}"
+        state = self._require()
+        x = state.tensor if tensor is None else tensor
+        if (
+            not isinstance(x, torch.Tensor)
+            or x.shape != state.tensor.shape
+            or (x.dtype != state.tensor.dtype)
+        ):
+            raise ValueError(
+                f"{what}: tensor must match the window's "
+                f"{state.tensor.dtype}{list(state.tensor.shape)}; got {x!r:.80}"
+            )
+        dsts = self._targets(dst_weights, what)
+        sw = None if self_weight is None else check_weight(self_weight, "self_weight")
+        me, n = context.rank(), context.size()
+
+        def run() -> None:
+            p = state.p
+            for dst in sorted(dsts, key=lambda d: (d - me) % n):  # clockwise, as BlueFog
+                weight = dsts[dst]
+                payload = x.detach().to("cpu").contiguous()
+                if weight != 1.0:
+                    payload = payload * weight
+                with self._remote_locks([dst] if require_mutex else []):
+                    svc = _service[0]
+                    future, sends = svc.request(
+                        kind,
+                        dst,
+                        state.wid,
+                        payload=payload,
+                        value=weight * p if state.push_sum else 0.0,
+                    )
+                    svc.wait(what, dst, future, sends)
+            if sw is not None and sw != 1.0:
+                with torch.no_grad():
+                    x.mul_(sw)
+                if state.push_sum:
+                    state.p *= sw
+
+        return self._submit(what, run, async_op)
+
+    def put(
+        self,
+        tensor: torch.Tensor | None = None,
+        *,
+        self_weight: float | None = None,
+        dst_weights: Mapping[int, float] | None = None,
+        require_mutex: bool = False,
+        async_op: bool = False,
+    ) -> Handle | None:
+        r"""Overwrite this rank's slot at each destination: :math:`b_d[r] \leftarrow w_d x`.
+
+        Then scale ``tensor`` in place by ``self_weight`` (if given). With push-sum,
+        :math:`p_d[r] \leftarrow w_d p` and :math:`p \leftarrow` ``self_weight`` :math:`p`.
+        Each arrival bumps the target's version for this rank. A completed put is visible
+        at the target.
+
+        Args:
+            tensor (torch.Tensor, optional): what to send; default: the registered tensor.
+            self_weight (float, optional): in-place scale of ``tensor`` afterwards.
+            dst_weights (Mapping[int, float], optional): weight per destination; keys must be
+                out-neighbours; default: every out-neighbour with weight 1.
+            require_mutex (bool): hold the (destination, this rank) mutex while writing.
+            async_op (bool): return a :class:`Handle` instead of waiting.
+        """
+        return self._write(Kind.PUT, tensor, self_weight, dst_weights, require_mutex, async_op)
+
+    def accumulate(
+        self,
+        tensor: torch.Tensor | None = None,
+        *,
+        self_weight: float | None = None,
+        dst_weights: Mapping[int, float] | None = None,
+        require_mutex: bool = False,
+        async_op: bool = False,
+    ) -> Handle | None:
+        r"""Add into this rank's slot at each destination: :math:`b_d[r] \mathrel{+}= w_d x`.
+
+        Like :meth:`put` otherwise, but versions are not bumped (as in BlueFog).
+        """
+        return self._write(
+            Kind.ACCUMULATE, tensor, self_weight, dst_weights, require_mutex, async_op
+        )
+
+    def get(
+        self,
+        *,
+        src_weights: Mapping[int, float] | None = None,
+        require_mutex: bool = False,
+        async_op: bool = False,
+    ) -> Handle | None:
+        r"""Fetch each source's current tensor: :math:`b_r[s] \leftarrow w_s x_s`.
+
+        Keys of ``src_weights`` must be in-neighbours (default: all, weight 1). The push-sum
+        weight is not transferred. Each arrival bumps the version of ``s``.
+        """
+        what = f"Window.get on {self.name!r}"
+        state = self._require()
+        me, n = context.rank(), context.size()
+        srcs = (
+            dict.fromkeys(self.in_neighbors, 1.0)
+            if src_weights is None
+            else check_weights(
+                src_weights, "src_weights", n, me, self.in_neighbors, "in-neighbours"
+            )
+        )
+
+        def run() -> None:
+            for src in sorted(srcs):
+                with self._remote_locks([src] if require_mutex else []):
+                    svc = _service[0]
+                    future, sends = svc.request(Kind.GET, src, state.wid)
+                    svc.wait(what, src, future, sends)
+                if srcs[src] != 1.0:
+                    with state.lock:
+                        state.buffers[src].mul_(srcs[src])
+
+        return self._submit(what, run, async_op)
+
+    def update(
+        self,
+        *,
+        self_weight: float | None = None,
+        src_weights: Mapping[int, float] | None = None,
+        reset: bool = False,
+        clone: bool = False,
+        require_mutex: bool = False,
+    ) -> torch.Tensor:
+        r"""Combine: :math:`x \leftarrow w_{rr} x + \sum_s w_{sr} b[s]`; return the result.
+
+        With no weights, the topology's; when those are uniform the result is
+        :math:`(x + \sum_{s} b[s]) / (k + 1)` over all in-neighbours (sum, then divide).
+        With push-sum, :math:`p` is combined the same way. ``reset`` zeroes the buffers
+        (and their ``p``) that were used; the versions are cleared. ``clone`` leaves the
+        registered tensor untouched and returns a new one; otherwise it is updated in place
+        and returned.
+
+        Raises:
+            ValueError: only one of ``self_weight``/``src_weights``; keys that are not
+                in-neighbours.
+        """
+        state = self._require()
+        me, n = context.rank(), context.size()
+        if (self_weight is None) != (src_weights is None):
+            raise ValueError("Window.update: self_weight and src_weights must be given together")
+        if src_weights is None:
+            sw, weights = self._topology.recv_weights(me)
+        else:
+            sw = check_weight(self_weight, "self_weight")
+            weights = check_weights(
+                src_weights, "src_weights", n, me, self.in_neighbors, "in-neighbours"
+            )
+        uniform = src_weights is None and all(
+            w == sw == 1.0 / (len(weights) + 1) for w in weights.values()
+        )
+        with self._local_locks(sorted(weights) if require_mutex else []), state.lock:
+            x = state.tensor
+            bufs = {s: state.buffers[s].to(x.device) for s in weights}
+            if uniform:
+                out = x.detach().clone()
+                for s in sorted(bufs):
+                    out.add_(bufs[s])
+                out.div_(len(bufs) + 1)
+                new_p = (state.p + sum(state.p_buffers[s] for s in weights)) / (len(weights) + 1)
+            else:
+                out = x.detach() * sw
+                for s in sorted(bufs):
+                    out.add_(bufs[s] * weights[s])
+                new_p = sw * state.p + sum(weights[s] * state.p_buffers[s] for s in weights)
+            if state.push_sum:
+                state.p = new_p
+            if reset:
+                for s in weights:
+                    state.buffers[s].zero_()
+                    state.p_buffers[s] = 0.0
+            for s in state.versions:
+                state.versions[s] = 0
+            if clone:
+                return out
+            with torch.no_grad():
+                x.copy_(out)
+            return x
+
+    def update_then_collect(self, *, require_mutex: bool = True) -> torch.Tensor:
+        r""":math:`x \leftarrow x + \sum_s b[s]`, then zero the buffers (a second call adds 0)."""
+        return self.update(
+            self_weight=1.0,
+            src_weights=dict.fromkeys(self.in_neighbors, 1.0),
+            reset=True,
+            require_mutex=require_mutex,
+        )
+
+    # ------------------------------------------------------------------ mutexes
+    @contextlib.contextmanager
+    def _remote_locks(self, ranks: Sequence[int]) -> Iterator[None]:
+        state = self._require()
+        svc = _service[0] if _service else None
+        taken: list[int] = []
+        try:
+            for owner in sorted(ranks):  # one global order: no deadlock between lockers
+                future, sends = svc.request(Kind.LOCK, owner, state.wid, slot=context.rank())
+                svc.wait(f"mutex of rank {owner} on {self.name!r}", owner, future, sends)
+                taken.append(owner)
+            yield
+        finally:
+            for owner in reversed(taken):
+                future, sends = svc.request(Kind.UNLOCK, owner, state.wid, slot=context.rank())
+                svc.wait(f"unlock at rank {owner} on {self.name!r}", owner, future, sends)
+
+    @contextlib.contextmanager
+    def _local_locks(self, slots: Sequence[int]) -> Iterator[None]:
+        state = self._require()
+        svc = _service[0] if _service else None
+        taken: list[int] = []
+        try:
+            for slot in sorted(slots):
+                if svc is not None:
+                    svc.acquire_local(state, slot)
+                taken.append(slot)
+            yield
+        finally:
+            for slot in reversed(taken):
+                if svc is not None:
+                    svc.release(state, slot)
+
+    def mutex(self, ranks: Sequence[int] | None = None, *, for_self: bool = False):
+        """Hold the distributed mutexes of ``ranks`` (default: the out-neighbours).
+
+        By default this takes, at each rank ``r`` in ``ranks``, the mutex of this rank's slot
+        there (what a put with ``require_mutex`` takes). With ``for_self`` it takes this
+        rank's own mutexes of the slots of ``ranks`` (what ``update(require_mutex=True)``
+        takes). Waiters are served first come, first served.
+        """
+        me, n = context.rank(), context.size()
+        chosen = (
+            list(self.out_neighbors)
+            if ranks is None
+            else [check_rank(r, "ranks entry", n) for r in ranks]
+        )
+        if me in chosen:
+            raise ValueError(f"Window.mutex: ranks must not contain this rank ({me})")
+        return self._local_locks(chosen) if for_self else self._remote_locks(chosen)
+
+
+def _free_all() -> None:
+    for window in list(_windows.values()):
+        try:
+            window.free()
+        except Exception:  # shutdown must go on even if a peer is gone
+            _windows.pop(window.name, None)
+    _live_windows.clear()
+    _group.clear()
+    while _client:
+        _client.pop().shutdown(wait=False)
+
+
+context.on_shutdown(_free_all)

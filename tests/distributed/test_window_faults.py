@@ -1,0 +1,71 @@
+"""A rank that dies while holding a window mutex: the survivor gets an error, not a hang."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+SCRIPT = textwrap.dedent(r"""
+    import os, sys, time, torch, gossamer
+    from gossamer import topology as topo
+    gossamer.init()
+    gossamer.set_topology(topo.fully_connected(2))
+    win = gossamer.Window.create(torch.zeros(3), zero_init=True)
+    if gossamer.rank() == 1:
+        with win.mutex():          # rank 1 holds its slot's mutex at rank 0 ...
+            gossamer.barrier()
+            time.sleep(0.5)
+            os._exit(3)            # ... and dies without releasing it
+    gossamer.barrier()
+    start = time.time()
+    for name, call in [("update", lambda: win.update(require_mutex=True)),
+                       ("put", lambda: win.put())]:
+        try:
+            call()
+            print(f"{name}: no error", flush=True)
+        except Exception as err:
+            print(f"{name}: {type(err).__name__} after {time.time() - start:.1f} s: {err}",
+                  flush=True)
+    gossamer.shutdown()
+    print("rank 0 shut down", flush=True)
+""")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dead_mutex_holder_gives_the_waiter_an_error(tmp_path):
+    script = tmp_path / "dead.py"
+    script.write_text(SCRIPT)
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+        "GOSSAMER_TIMEOUT": "10",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    start = time.time()
+    out0, _ = procs[0].communicate(timeout=180)
+    procs[1].communicate(timeout=30)
+    assert procs[1].returncode == 3
+    lines = [line for line in out0.splitlines() if line.startswith(("update:", "put:", "rank"))]
+    assert lines[0].startswith("update: CommunicationTimeout"), out0
+    assert "held by rank 1" in lines[0], out0
+    assert lines[1].startswith("put: PeerError") and "rank 1" in lines[1], out0
+    assert "rank 0 shut down" in out0, out0
+    assert time.time() - start < 120
