@@ -11,8 +11,10 @@ directed graph (Kempe et al., 2003).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,6 +43,34 @@ _client: list[ThreadPoolExecutor] = []
 def live_windows() -> list[str]:
     """Names of the windows that exist now, sorted."""
     return sorted(_windows)
+
+
+def _when_all(posted: list, finish, done: concurrent.futures.Future) -> None:
+    """Complete ``done`` (after ``finish``) once every posted request is answered."""
+    left = [len(posted)]
+    keep = [sends for _, sends in posted]  # the send buffers must outlive the sends
+    lock = threading.Lock()  # callbacks run on the progress thread or, if done, right here
+
+    def one(future: concurrent.futures.Future) -> None:
+        error = future.exception()
+        with lock:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+                return
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            keep.clear()
+            try:
+                finish()
+                done.set_result(None)
+            except BaseException as err:
+                done.set_exception(err)
+
+    for future, _ in posted:
+        future.add_done_callback(one)
 
 
 def _get_client() -> ThreadPoolExecutor:
@@ -207,11 +237,47 @@ class Window:
             return dict(state.p_buffers)
 
     # ------------------------------------------------------------------ operations
-    def _submit(self, what: str, fn, async_op: bool) -> Handle | None:
-        if context.size() == 1:  # nobody to talk to: run here
-            fn()
-            return None
-        handle = Handle(_get_client().submit(fn), what, context.timeout())
+    def _issue(
+        self, what: str, requests: list, require_mutex: bool, finish, async_op: bool
+    ) -> Handle | None:
+        """Send ``requests`` ``(peer, kind, payload, value)``; run ``finish`` once all land.
+
+        Requests are posted in call order from one thread. Without a mutex they are all in
+        flight at once (and later operations may be posted before they complete); with
+        ``require_mutex`` each takes its peer's mutex first, one at a time.
+        """
+        state = self._require()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def post() -> None:
+            svc = _service[0] if _service else None
+            try:
+                if svc is None or not requests:
+                    finish()
+                    done.set_result(None)
+                elif require_mutex:
+                    for peer, kind, payload, value in requests:
+                        with self._remote_locks([peer]):
+                            future, sends = svc.request(
+                                kind, peer, state.wid, payload=payload, value=value
+                            )
+                            svc.wait(what, peer, future, sends)
+                    finish()
+                    done.set_result(None)
+                else:
+                    posted = [
+                        svc.request(kind, peer, state.wid, payload=payload, value=value)
+                        for peer, kind, payload, value in requests
+                    ]
+                    _when_all(posted, finish, done)
+            except BaseException as err:  # handed to the caller through the handle
+                done.set_exception(err)
+
+        if context.size() == 1:
+            post()
+        else:
+            _get_client().submit(post)
+        handle = Handle(done, what, context.timeout())
         return handle if async_op else handle.wait()
 
     def _targets(self, weights, what: str) -> dict[int, float]:
@@ -241,31 +307,21 @@ class Window:
         dsts = self._targets(dst_weights, what)
         sw = None if self_weight is None else check_weight(self_weight, "self_weight")
         me, n = context.rank(), context.size()
+        host = x.detach().to("cpu").contiguous()
+        p = state.p
+        requests = [
+            (dst, kind, host if w == 1.0 else host * w, w * p if state.push_sum else 0.0)
+            for dst, w in sorted(dsts.items(), key=lambda d: (d[0] - me) % n)  # clockwise
+        ]
 
-        def run() -> None:
-            p = state.p
-            for dst in sorted(dsts, key=lambda d: (d - me) % n):  # clockwise, as BlueFog
-                weight = dsts[dst]
-                payload = x.detach().to("cpu").contiguous()
-                if weight != 1.0:
-                    payload = payload * weight
-                with self._remote_locks([dst] if require_mutex else []):
-                    svc = _service[0]
-                    future, sends = svc.request(
-                        kind,
-                        dst,
-                        state.wid,
-                        payload=payload,
-                        value=weight * p if state.push_sum else 0.0,
-                    )
-                    svc.wait(what, dst, future, sends)
+        def finish() -> None:
             if sw is not None and sw != 1.0:
                 with torch.no_grad():
                     x.mul_(sw)
                 if state.push_sum:
                     state.p *= sw
 
-        return self._submit(what, run, async_op)
+        return self._issue(what, requests, require_mutex, finish, async_op)
 
     def put(
         self,
@@ -333,17 +389,14 @@ class Window:
             )
         )
 
-        def run() -> None:
-            for src in sorted(srcs):
-                with self._remote_locks([src] if require_mutex else []):
-                    svc = _service[0]
-                    future, sends = svc.request(Kind.GET, src, state.wid)
-                    svc.wait(what, src, future, sends)
-                if srcs[src] != 1.0:
-                    with state.lock:
-                        state.buffers[src].mul_(srcs[src])
+        def finish() -> None:
+            with state.lock:
+                for src, w in srcs.items():
+                    if w != 1.0:
+                        state.buffers[src].mul_(w)
 
-        return self._submit(what, run, async_op)
+        requests = [(src, Kind.GET, None, 0.0) for src in sorted(srcs)]
+        return self._issue(what, requests, require_mutex, finish, async_op)
 
     def update(
         self,
