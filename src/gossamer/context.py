@@ -223,6 +223,9 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> None:
         timeout=timeout,
         owns_process_group=owns,
     )
+    from gossamer.profiling import timeline  # lazily: profiling sits above context
+
+    timeline.maybe_start_from_env()
     logger.debug("initialized rank %d of %d (%s)", _state.layout.rank, _state.layout.size, resolved)
 
 

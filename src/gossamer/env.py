@@ -12,6 +12,10 @@ variable                       default    meaning
 ``GOSSAMER_NODES_PER_MACHINE`` unset      fake machine boundaries on one host: ranks
                                           ``k*m .. k*m+k-1`` form machine ``m``
 ``GOSSAMER_LOG_LEVEL``         ``WARNING`` level of the ``gossamer`` logger
+``GOSSAMER_TIMELINE``          unset      path prefix: :func:`gossamer.init` starts the
+                                          timeline, and rank ``k`` writes
+                                          ``<prefix>.rank<k>.json`` (Chrome trace) at exit;
+                                          a ``{rank}`` in it is replaced instead
 =============================  =========  ===================================================
 
 Set by the launcher (``torchrun``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
@@ -39,6 +43,7 @@ class Settings:
     timeout: float = 300.0
     nodes_per_machine: int | None = None
     log_level: str = "WARNING"
+    timeline: str | None = None  # path prefix of the Chrome-trace timeline; None is off
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ def settings(env: Mapping[str, str] | None = None) -> Settings:
         timeout=timeout,
         nodes_per_machine=_int(env, "GOSSAMER_NODES_PER_MACHINE", minimum=1),
         log_level=level,
+        timeline=env.get("GOSSAMER_TIMELINE") or None,
     )
 
 

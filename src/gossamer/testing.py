@@ -234,7 +234,8 @@ def _context() -> mp.context.BaseContext:
     # Ranks fork from a server that has imported torch once, so a pool starts in a fraction
     # of a second instead of one torch import per rank.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "gossamer"])
+    # torch._dynamo is what the first torch.optim optimizer imports: seconds per rank.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "gossamer"])
     return ctx
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from gossamer import context
 from gossamer.ops.handle import Handle
+from gossamer.profiling import timeline as _timeline
 
 __all__ = ["run", "stop", "submit"]
 
@@ -41,6 +42,7 @@ def submit(op: str, fn: Callable[[], Any]) -> Handle:
     global _queue, _thread
     deadline = context.timeout()
     future: concurrent.futures.Future = concurrent.futures.Future()
+    fn = _timeline.traced(op, fn)  # "queued" from now until the thread runs it
     with _lock:
         jobs = _queue
         if jobs is None or _thread is None or not _thread.is_alive():

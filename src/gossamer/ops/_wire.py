@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from gossamer import context
 from gossamer.errors import CommunicationTimeout, PeerError
+from gossamer.profiling import timeline as _timeline
 
 __all__ = [
     "DTYPES",
@@ -182,9 +183,10 @@ def exchange(
     """
     mine = header(op, tensor)
     heads = {s: torch.empty(_HEADER_LEN, dtype=torch.int64) for s in sources}
-    _p2p(op, [(d, mine) for d in sends], list(heads.items()), group, _HEADER_TAG)
-    received = {s: _buffer_for(h, tensor.device, s) for s, h in heads.items()}
-    _p2p(op, list(sends.items()), list(received.items()), group, _DATA_TAG)
+    with _timeline.record(op, "communicating"):
+        _p2p(op, [(d, mine) for d in sends], list(heads.items()), group, _HEADER_TAG)
+        received = {s: _buffer_for(h, tensor.device, s) for s, h in heads.items()}
+        _p2p(op, list(sends.items()), list(received.items()), group, _DATA_TAG)
     wrong = [s for s, h in heads.items() if not _compatible(mine, h, any_first_dim)]
     if wrong:
         theirs = "; ".join(f"rank {_global(group, s)} called {describe(heads[s])}" for s in wrong)
@@ -210,7 +212,8 @@ def check_same_call(
     mine = header(op, tensor, aux)
     size = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(size)]
-    wait_works(op, [(-1, dist.all_gather(gathered, mine, group=group, async_op=True))])
+    with _timeline.record(op, "communicating"):
+        wait_works(op, [(-1, dist.all_gather(gathered, mine, group=group, async_op=True))])
     first = gathered[0]
     wrong = [r for r, h in enumerate(gathered) if not _compatible(first, h, any_first_dim)]
     if wrong:

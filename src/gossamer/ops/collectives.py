@@ -14,6 +14,7 @@ from gossamer.ops import _engine, _wire
 from gossamer.ops._args import AVERAGING_DTYPES, check_rank, check_tensor
 from gossamer.ops.defaults import group_rank, group_size
 from gossamer.ops.handle import Handle
+from gossamer.profiling import timeline as _timeline
 
 __all__ = ["allgather", "allreduce", "allreduce_", "barrier", "broadcast", "broadcast_"]
 
@@ -24,8 +25,9 @@ _ANY_DTYPE = _wire.DTYPES
 def _reduce_into(out: torch.Tensor, average: bool, group: dist.ProcessGroup | None) -> None:
     # Half types are summed in float32: fp16 sums of many ranks overflow and lose bits.
     wide = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
-    work = dist.all_reduce(wide, group=group, async_op=True)
-    _wire.wait_works("allreduce", [(-1, work)])
+    with _timeline.record(None, "communicating"):
+        work = dist.all_reduce(wide, group=group, async_op=True)
+        _wire.wait_works("allreduce", [(-1, work)])
     if average:
         wide.div_(dist.get_world_size(group))
     if wide is not out:

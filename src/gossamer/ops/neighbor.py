@@ -24,6 +24,7 @@ from gossamer.ops._args import (
 )
 from gossamer.ops.defaults import check_topology, get_topology, group_rank, group_size
 from gossamer.ops.handle import Handle
+from gossamer.profiling import timeline as _timeline
 from gossamer.topology import Topology
 
 __all__ = ["neighbor_allgather", "neighbor_allreduce", "pair_gossip"]
@@ -41,18 +42,20 @@ def _combine(
     is exact where multiplying by ``1/(k+1)`` would round (BlueFog computes it this way).
     """
     wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    if weights is None:
-        sources = sorted(received)
-        # The first addition allocates the output, saving a separate copy of x.
-        out = torch.add(x.to(wide), received[sources[0]]) if sources else x.to(wide, copy=True)
-        for src in sources[1:]:
-            out.add_(received[src])
-        out.div_(len(received) + 1)
-    else:
-        out = torch.mul(x.to(wide), self_weight)
-        for src in sorted(weights):
-            out.add_(received[src], alpha=weights[src])
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    # Row None: the operation being run (neighbor_allreduce, pair_gossip, hierarchical).
+    with _timeline.record(None, "combining"):
+        if weights is None:
+            sources = sorted(received)
+            # The first addition allocates the output, saving a separate copy of x.
+            out = torch.add(x.to(wide), received[sources[0]]) if sources else x.to(wide, copy=True)
+            for src in sources[1:]:
+                out.add_(received[src])
+            out.div_(len(received) + 1)
+        else:
+            out = torch.mul(x.to(wide), self_weight)
+            for src in sorted(weights):
+                out.add_(received[src], alpha=weights[src])
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def _is_uniform(self_weight: float, weights: Mapping[int, float], sources: Sequence[int]) -> bool:

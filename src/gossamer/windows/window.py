@@ -207,6 +207,10 @@ class Window:
         """This rank's push-sum weight (1.0 until puts, accumulates or updates change it)."""
         return self._require().p
 
+    @p.setter
+    def p(self, value: float) -> None:
+        self._require().p = float(value)
+
     @property
     def push_sum(self) -> bool:
         """Whether puts, accumulates and updates carry the push-sum weight ``p``."""

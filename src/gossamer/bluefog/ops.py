@@ -1,0 +1,161 @@
+"""BlueFog's collectives in every spelling: blocking, ``_nonblocking`` (int handles), in place.
+
+Each name maps onto one gossamer operation (``async_op=True`` for the nonblocking ones).
+``name`` is accepted and ignored: gossamer matches operations across ranks by call order.
+A nonblocking call (here or in :mod:`gossamer.bluefog.neighbor`) returns an ``int``;
+:func:`poll`, :func:`synchronize` and :func:`wait` take it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import gossamer
+from gossamer.bluefog._compat import need_float
+from gossamer.bluefog._handles import lookup, register, take
+
+__all__ = [
+    "allgather",
+    "allgather_nonblocking",
+    "allreduce",
+    "allreduce_",
+    "allreduce_nonblocking",
+    "allreduce_nonblocking_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_nonblocking",
+    "broadcast_nonblocking_",
+    "poll",
+    "synchronize",
+    "wait",
+]
+
+
+def poll(handle: int) -> bool:
+    """True once the nonblocking operation ``handle`` has finished; never blocks.
+
+    Raises:
+        ValueError: ``handle`` is unknown (or already synchronized).
+    """
+    core = lookup(handle)
+    if core is None:
+        raise ValueError(f"Cannot find handle {handle!r} to poll")
+    return core.is_completed()
+
+
+def synchronize(handle: int) -> torch.Tensor:
+    """Wait for the nonblocking operation ``handle`` and return its output tensor.
+
+    Raises:
+        ValueError: ``handle`` is unknown (or already synchronized).
+        gossamer.errors.GossamerError: what the operation raised.
+    """
+    result = take(handle)
+    if result is None:
+        raise ValueError("Cannot find handle to synchronize")
+    return result()
+
+
+def wait(handle: int) -> torch.Tensor:
+    """Same as :func:`synchronize`."""
+    return synchronize(handle)
+
+
+def barrier() -> None:
+    """Block until every rank has called ``barrier`` (:func:`gossamer.barrier`)."""
+    gossamer.barrier()
+
+
+# ---------------------------------------------------------------------- allreduce
+def _allreduce(tensor, average, is_hierarchical_local, inplace, async_op):
+    if average:
+        need_float(tensor, "allreduce with average=True")
+    if not is_hierarchical_local:
+        fn = gossamer.allreduce_ if inplace else gossamer.allreduce
+        return fn(tensor, average=average, async_op=async_op)
+    result = gossamer.local_allreduce(tensor, average=average, async_op=async_op)
+
+    def finish(out: torch.Tensor) -> torch.Tensor:
+        if not inplace:
+            return out
+        with torch.no_grad():
+            tensor.copy_(out)
+        return tensor
+
+    return (result, finish) if async_op else finish(result)
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool = True,
+    is_hierarchical_local: bool = False,
+    name: str | None = None,
+) -> torch.Tensor:
+    """Sum or average over all ranks, out of place (:func:`gossamer.allreduce`).
+
+    ``is_hierarchical_local=True`` reduces over this machine's ranks only
+    (:func:`gossamer.local_allreduce`), dividing by ``local_size()`` for the average.
+    """
+    return _allreduce(tensor, average, is_hierarchical_local, False, False)
+
+
+def allreduce_nonblocking(
+    tensor: torch.Tensor,
+    average: bool = True,
+    is_hierarchical_local: bool = False,
+    name: str | None = None,
+) -> int:
+    """Nonblocking :func:`allreduce`; returns a handle for :func:`synchronize`."""
+    return register(_allreduce(tensor, average, is_hierarchical_local, False, True))
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool = True,
+    is_hierarchical_local: bool = False,
+    name: str | None = None,
+) -> torch.Tensor:
+    """In-place :func:`allreduce`: writes into ``tensor`` and returns it."""
+    return _allreduce(tensor, average, is_hierarchical_local, True, False)
+
+
+def allreduce_nonblocking_(
+    tensor: torch.Tensor,
+    average: bool = True,
+    is_hierarchical_local: bool = False,
+    name: str | None = None,
+) -> int:
+    """Nonblocking :func:`allreduce_`; :func:`synchronize` returns ``tensor`` itself."""
+    return register(_allreduce(tensor, average, is_hierarchical_local, True, True))
+
+
+# ---------------------------------------------------------------------- broadcast, allgather
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Rank ``root_rank``'s tensor on every rank, out of place (:func:`gossamer.broadcast`)."""
+    return gossamer.broadcast(tensor, root=root_rank)
+
+
+def broadcast_nonblocking(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+    """Nonblocking :func:`broadcast`."""
+    return register(gossamer.broadcast(tensor, root=root_rank, async_op=True))
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """In-place :func:`broadcast`: overwrites ``tensor`` and returns it."""
+    return gossamer.broadcast_(tensor, root=root_rank)
+
+
+def broadcast_nonblocking_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+    """Nonblocking :func:`broadcast_`."""
+    return register(gossamer.broadcast_(tensor, root=root_rank, async_op=True))
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's tensor along dim 0 in rank order (:func:`gossamer.allgather`)."""
+    return gossamer.allgather(tensor)
+
+
+def allgather_nonblocking(tensor: torch.Tensor, name: str | None = None) -> int:
+    """Nonblocking :func:`allgather`."""
+    return register(gossamer.allgather(tensor, async_op=True))

@@ -1,0 +1,7 @@
+"""Tensor fusion: flat buckets of parameters or gradients."""
+
+from __future__ import annotations
+
+from gossamer.fusion.buckets import Bucket, bucketize
+
+__all__ = ["Bucket", "bucketize"]

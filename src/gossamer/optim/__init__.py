@@ -1,0 +1,40 @@
+"""Decentralized optimizers: each wraps a torch optimizer and adds only communication.
+
+=========================  ==============================================================
+class                      what a step does
+=========================  ==============================================================
+``AdaptWithCombine``       combine parameters during backward, then the local step
+``AdaptThenCombine``       local step, then combine (diffusion)
+``GradientAllreduce``      average gradients over all ranks during backward, then step
+``WindowPut``              asynchronous: put parameters to neighbours' windows, combine
+``PushSum``                asynchronous push-sum SGD, also on directed graphs
+=========================  ==============================================================
+"""
+
+from __future__ import annotations
+
+from gossamer.optim.base import COMMUNICATIONS, Communicator, DecentralizedOptimizer
+from gossamer.optim.combine import AdaptThenCombine, AdaptWithCombine
+from gossamer.optim.gradient_allreduce import GradientAllreduce
+from gossamer.optim.utils import (
+    allreduce_parameters,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    consensus_distance,
+)
+from gossamer.optim.window import PushSum, WindowPut
+
+__all__ = [
+    "COMMUNICATIONS",
+    "AdaptThenCombine",
+    "AdaptWithCombine",
+    "Communicator",
+    "DecentralizedOptimizer",
+    "GradientAllreduce",
+    "PushSum",
+    "WindowPut",
+    "allreduce_parameters",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "consensus_distance",
+]

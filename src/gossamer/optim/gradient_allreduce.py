@@ -1,0 +1,111 @@
+r"""Gradient allreduce: the data-parallel baseline (torch DDP, Horovod), overlapped.
+
+Every rank steps with the average gradient :math:`\bar g = \frac1n \sum_i g_i`, so all
+models stay identical. A bucket's allreduce starts from gradient hooks as soon as every
+gradient in it is ready; buckets start in a fixed order on every rank, so collectives
+always pair up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from gossamer.optim.base import DecentralizedOptimizer
+
+__all__ = ["GradientAllreduce"]
+
+
+class GradientAllreduce(DecentralizedOptimizer):
+    """Average the gradients over all ranks during the backward pass, then step.
+
+    ``num_steps_per_communication=k`` accumulates the gradients of ``k`` backward passes
+    locally and averages them on the ``k``-th (call :meth:`step` after it); :meth:`no_sync`
+    skips communication for the backward passes inside it, as torch DDP's does. Parameters
+    that received no gradient in a step are averaged as zeros, so no rank waits for them.
+
+    Example:
+        >>> opt = GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        >>> loss_fn(model(x), y).backward()   # allreduce of each bucket starts in here
+        >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model,
+        *,
+        num_steps_per_communication: int = 1,
+        fusion_threshold_bytes=8 * 2**20,
+    ) -> None:
+        super().__init__(
+            optimizer,
+            model,
+            communication="allreduce",
+            num_steps_per_communication=num_steps_per_communication,
+            fusion_threshold_bytes=fusion_threshold_bytes,
+        )
+        self._bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b.tensors}
+        self._arrivals = dict.fromkeys(self.params, 0)
+        self._ready = [0] * len(self.buckets)
+        self._launched = 0
+        self._no_sync = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communication."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if self._no_sync:
+            return
+        self._arrivals[param] += 1
+        if self._arrivals[param] == self.num_steps_per_communication:
+            index = self._bucket_of[param]
+            self._ready[index] += 1
+            self._launch(until_ready=True)
+
+    def _launch(self, until_ready: bool) -> None:
+        """Start buckets in index order: all of them, or up to the first one not ready."""
+        while self._launched < len(self.buckets):
+            bucket = self.buckets[self._launched]
+            if until_ready and self._ready[self._launched] < len(bucket.tensors):
+                return
+            self.communicator.rounds += 1
+            flat = bucket.pack(lambda p: p.grad)
+            self._pending.append((bucket, self.communicator.start(flat), None))
+            self._launched += 1
+
+    def synchronize(self) -> None:
+        """Start what is left, wait for everything, and write the averaged gradients."""
+        self._launch(until_ready=False)
+        pending, self._pending = self._pending, []
+        for bucket, handle, _ in pending:
+            if handle is None:
+                continue
+            averaged = handle.wait()
+
+            def grad_of(p: torch.Tensor) -> torch.Tensor:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                return p.grad
+
+            bucket.unpack(averaged, grad_of)
+        self._arrivals = dict.fromkeys(self.params, 0)
+        self._ready = [0] * len(self.buckets)
+        self._launched = 0
+
+    def step(self, closure=None):
+        """Wait for the averaged gradients, then take the wrapped optimizer's step."""
+        if closure is not None:
+            raise ValueError("GradientAllreduce.step does not take a closure")
+        self.synchronize()
+        self.steps += 1
+        return self.optimizer.step()
