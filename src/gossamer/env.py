@@ -10,7 +10,8 @@ variable                       default    meaning
 ``GOSSAMER_TIMEOUT``           ``300``    seconds any blocking wait may take before it raises
                                           :class:`~gossamer.errors.CommunicationTimeout`
 ``GOSSAMER_NODES_PER_MACHINE`` unset      fake machine boundaries on one host: ranks
-                                          ``k*m .. k*m+k-1`` form machine ``m``
+                                          ``k*m .. k*m+k-1`` form machine ``m``;
+                                          ``BLUEFOG_NODES_PER_MACHINE`` is the fallback
 ``GOSSAMER_LOG_LEVEL``         ``WARNING`` level of the ``gossamer`` logger
 ``GOSSAMER_TIMELINE``          unset      path prefix: :func:`gossamer.init` starts the
                                           timeline, and rank ``k`` writes
@@ -103,7 +104,8 @@ def settings(env: Mapping[str, str] | None = None) -> Settings:
     return Settings(
         backend=backend,
         timeout=timeout,
-        nodes_per_machine=_int(env, "GOSSAMER_NODES_PER_MACHINE", minimum=1),
+        nodes_per_machine=_int(env, "GOSSAMER_NODES_PER_MACHINE", minimum=1)
+        or _int(env, "BLUEFOG_NODES_PER_MACHINE", minimum=1),
         log_level=level,
         timeline=env.get("GOSSAMER_TIMELINE") or None,
     )

@@ -172,9 +172,8 @@ def _state_round_trip():
         ((model(A).squeeze(1) - b) ** 2).mean().backward()
         opt.step()
     state = opt.state_dict()
-    fresh = optim.AdaptThenCombine(
-        torch.optim.Adam(linear_model().parameters(), lr=0.01), linear_model()
-    )
+    other = linear_model()
+    fresh = optim.AdaptThenCombine(torch.optim.Adam(other.parameters(), lr=0.01), other)
     fresh.load_state_dict(state)
     return state["communication"], fresh.steps, fresh.communicator.rounds
 

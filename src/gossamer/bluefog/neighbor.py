@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -36,7 +37,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _neighbor_allgather(tensor, src_ranks, dst_ranks, enable_topo_check, async_op):
+def _neighbor_allgather(
+    tensor: torch.Tensor,
+    src_ranks: object,
+    dst_ranks: object,
+    enable_topo_check: bool,
+    async_op: bool,
+) -> Any:
     dynamic = src_ranks is not None or dst_ranks is not None
     return gossamer.neighbor_allgather(
         tensor,
@@ -75,7 +82,14 @@ def neighbor_allgather_nonblocking(
     return register(_neighbor_allgather(tensor, src_ranks, dst_ranks, enable_topo_check, True))
 
 
-def _neighbor_allreduce(tensor, self_weight, src_weights, dst_weights, enable_topo_check, async_op):
+def _neighbor_allreduce(
+    tensor: torch.Tensor,
+    self_weight: object,
+    src_weights: object,
+    dst_weights: object,
+    enable_topo_check: bool,
+    async_op: bool,
+) -> Any:
     need_float(tensor, "neighbor_allreduce")
     src_weights, dst_weights = plain_weights(src_weights), plain_weights(dst_weights)
     check_weight_types(self_weight, src_weights, "src_weights")
@@ -139,7 +153,14 @@ def neighbor_allreduce_nonblocking(
     )
 
 
-def _hierarchical(tensor, self_weight, src_machine_weights, dst_machine_weights, check, async_op):
+def _hierarchical(
+    tensor: torch.Tensor,
+    self_weight: object,
+    src_machine_weights: object,
+    dst_machine_weights: object,
+    check: bool,
+    async_op: bool,
+) -> Any:
     op = "hierarchical_neighbor_allreduce"
     need_float(tensor, op)
     src = plain_weights(src_machine_weights)

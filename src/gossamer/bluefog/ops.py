@@ -8,6 +8,8 @@ A nonblocking call (here or in :mod:`gossamer.bluefog.neighbor`) returns an ``in
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import gossamer
@@ -68,7 +70,9 @@ def barrier() -> None:
 
 
 # ---------------------------------------------------------------------- allreduce
-def _allreduce(tensor, average, is_hierarchical_local, inplace, async_op):
+def _allreduce(
+    tensor: torch.Tensor, average: bool, is_hierarchical_local: bool, inplace: bool, async_op: bool
+) -> Any:
     if average:
         need_float(tensor, "allreduce with average=True")
     if not is_hierarchical_local:

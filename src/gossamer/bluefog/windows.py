@@ -161,7 +161,14 @@ def _start(handle: Handle) -> int:
     return hid
 
 
-def _write(kind, tensor, name, self_weight, dst_weights, require_mutex) -> Handle:
+def _write(
+    kind: str,
+    tensor: torch.Tensor,
+    name: str,
+    self_weight: float | None,
+    dst_weights: object,
+    require_mutex: bool,
+) -> Handle:
     weights = plain_weights(dst_weights)
     check_weight_types(self_weight, weights, "dst_weights")
     method = getattr(_window(name), kind)

@@ -92,7 +92,7 @@ def set_machine_topology(topology: Topology | None) -> None:
 
     Raises:
         TypeError: ``topology`` is not a Topology.
-        TopologyError: its size is not ``machine_size()``, or windows exist.
+        TopologyError: its size is not ``machine_size()``.
     """
     if topology is not None:
         if not isinstance(topology, Topology):
@@ -102,9 +102,7 @@ def set_machine_topology(topology: Topology | None) -> None:
                 f"machine topology has {topology.size} nodes but there are "
                 f"{context.machine_size()} machines"
             )
-    current = _machine_topology[0] if _machine_topology else None
-    if current != topology:
-        _refuse_while_windows_exist()
+    # Windows capture the rank topology only, so the machine topology may change under them.
     _machine_topology[:] = [] if topology is None else [topology]
 
 
