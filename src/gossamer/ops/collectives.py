@@ -34,6 +34,18 @@ def _reduce_into(out: torch.Tensor, average: bool, group: dist.ProcessGroup | No
         out.copy_(wide)
 
 
+def _buffer(tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Where the collective writes: the tensor itself (in place, if contiguous) or a copy."""
+    return tensor if inplace and tensor.is_contiguous() else tensor.contiguous().clone()
+
+
+def _result(tensor: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Tensor:
+    if inplace and out is not tensor:
+        tensor.copy_(out)
+        return tensor
+    return out
+
+
 def _allreduce(tensor, average, group, async_op, inplace) -> torch.Tensor | Handle:
     check_tensor(tensor, AVERAGING_DTYPES if average else _SUM_DTYPES, "allreduce")
     if not isinstance(average, bool):
@@ -42,12 +54,9 @@ def _allreduce(tensor, average, group, async_op, inplace) -> torch.Tensor | Hand
 
     def body() -> torch.Tensor:
         _wire.check_same_call("allreduce", tensor, group, aux=int(average))
-        out = tensor if inplace and tensor.is_contiguous() else tensor.contiguous().clone()
+        out = _buffer(tensor, inplace)
         _reduce_into(out, average, group)
-        if inplace and out is not tensor:
-            tensor.copy_(out)
-            return tensor
-        return out
+        return _result(tensor, out, inplace)
 
     return _engine.run("allreduce", body, async_op)
 
@@ -101,14 +110,11 @@ def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
 
     def body() -> torch.Tensor:
         _wire.check_same_call("broadcast", tensor, group, aux=root)
-        out = tensor if inplace and tensor.is_contiguous() else tensor.contiguous().clone()
+        out = _buffer(tensor, inplace)
         global_root = root if group is None else dist.get_global_rank(group, root)
         work = dist.broadcast(out, global_root, group=group, async_op=True)
         _wire.wait_works("broadcast", [(global_root, work)])
-        if inplace and out is not tensor:
-            tensor.copy_(out)
-            return tensor
-        return out
+        return _result(tensor, out, inplace)
 
     return _engine.run("broadcast", body, async_op)
 
