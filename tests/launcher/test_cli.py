@@ -16,6 +16,13 @@ def test_split_recognises_a_module():
     assert cmd == ["-m", "pytest", "-q", "tests/x.py"]
 
 
+@pytest.fixture(autouse=True)
+def _scripts_exist(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("a.py", "train.py"):
+        (tmp_path / name).write_text("")
+
+
 def _plan(argv):
     ours, cmd = cli._split(argv)
     return cli._plan(cli.build_parser().parse_args(ours), cmd)
@@ -50,6 +57,7 @@ def test_multi_machine_plan_uses_the_rendezvous_endpoint():
         (["run", "a.py"], "-np"),
         (["run", "-np", "2"], "no program"),
         (["run", "-np", "2", "-m"], "no program"),
+    (["run", "-np", "2", "missing.py"], "script 'missing.py' does not exist"),
         (["run", "-np", "3", "--nnodes", "2", "--rdzv-endpoint", "h:1", "a.py"], "divisible"),
         (["run", "-np", "4", "--nnodes", "2", "a.py"], "--rdzv-endpoint"),
         (["run", "-np", "4", "-H", "a:2,b:2", "--nnodes", "2", "a.py"], "cannot be combined"),

@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 def _plan(args: argparse.Namespace, command: list[str]) -> dict:
     if not command or command == ["-m"]:
         raise ValueError("no program given: add `script.py [args]` or `-m module [args]`")
+    if command[0] != "-m" and not os.path.isfile(command[0]):
+        raise ValueError(f"script {command[0]!r} does not exist")
     if args.hosts and (args.nnodes or args.rdzv_endpoint):
         raise ValueError("-H/--hosts cannot be combined with --nnodes/--rdzv-endpoint")
     if args.hosts:
