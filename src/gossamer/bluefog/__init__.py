@@ -2,8 +2,9 @@
 
 The names, arguments, defaults and return values are BlueFog's; every one of them is a thin
 translation onto gossamer (:mod:`gossamer`, :mod:`gossamer.topology`,
-:class:`gossamer.Window`). BlueFog's topology helpers are also at
-``gossamer.bluefog.topology_util`` (for ``from bluefog.common import topology_util``).
+:class:`gossamer.Window`, :mod:`gossamer.optim`, :mod:`gossamer.profiling`). BlueFog's
+topology helpers are also at ``gossamer.bluefog.topology_util`` (for
+``from bluefog.common import topology_util``).
 The differences from BlueFog are listed in ``docs/bluefog-migration.md``.
 
 Example:
@@ -73,6 +74,24 @@ from gossamer.bluefog.ops import (
     synchronize,
     wait,
 )
+from gossamer.bluefog.optimizers import (
+    CommunicationType,
+    DistributedAdaptThenCombineOptimizer,
+    DistributedAdaptWithCombineOptimizer,
+    DistributedAllreduceOptimizer,
+    DistributedGradientAllreduceOptimizer,
+    DistributedHierarchicalNeighborAllreduceOptimizer,
+    DistributedNeighborAllreduceOptimizer,
+    DistributedWinPutOptimizer,
+    allreduce_parameters,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from gossamer.bluefog.timeline import (
+    timeline_context,
+    timeline_end_activity,
+    timeline_start_activity,
+)
 from gossamer.bluefog.topology_util import (
     ExponentialGraph,
     ExponentialTwoGraph,
@@ -120,6 +139,14 @@ from gossamer.bluefog.windows import (
 )
 
 __all__ = [
+    "CommunicationType",
+    "DistributedAdaptThenCombineOptimizer",
+    "DistributedAdaptWithCombineOptimizer",
+    "DistributedAllreduceOptimizer",
+    "DistributedGradientAllreduceOptimizer",
+    "DistributedHierarchicalNeighborAllreduceOptimizer",
+    "DistributedNeighborAllreduceOptimizer",
+    "DistributedWinPutOptimizer",
     "ExponentialGraph",
     "ExponentialTwoGraph",
     "FullyConnectedGraph",
@@ -143,11 +170,14 @@ __all__ = [
     "allreduce_",
     "allreduce_nonblocking",
     "allreduce_nonblocking_",
+    "allreduce_parameters",
     "barrier",
     "broadcast",
     "broadcast_",
     "broadcast_nonblocking",
     "broadcast_nonblocking_",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
     "get_current_created_window_names",
     "get_skip_negotiate_stage",
     "get_win_version",
@@ -191,6 +221,9 @@ __all__ = [
     "size",
     "suspend",
     "synchronize",
+    "timeline_context",
+    "timeline_end_activity",
+    "timeline_start_activity",
     "topology_util",
     "turn_off_win_ops_with_associated_p",
     "turn_on_win_ops_with_associated_p",

@@ -52,6 +52,7 @@ class GradientAllreduce(DecentralizedOptimizer):
         self._ready = [0] * len(self.buckets)
         self._launched = 0
         self._no_sync = False
+        self._dirty = False  # a gradient arrived since the last synchronize
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
 
     @contextlib.contextmanager
@@ -66,6 +67,7 @@ class GradientAllreduce(DecentralizedOptimizer):
     def _grad_ready(self, param: torch.Tensor) -> None:
         if self._no_sync:
             return
+        self._dirty = True
         self._arrivals[param] += 1
         if self._arrivals[param] == self.num_steps_per_communication:
             index = self._bucket_of[param]
@@ -84,7 +86,14 @@ class GradientAllreduce(DecentralizedOptimizer):
             self._launched += 1
 
     def synchronize(self) -> None:
-        """Start what is left, wait for everything, and write the averaged gradients."""
+        """Start what is left, wait for everything, and write the averaged gradients.
+
+        Does nothing when no gradient arrived since the last call (so a second call does not
+        average again).
+        """
+        if not self._dirty and not self._pending:
+            return
+        self._dirty = False
         self._launch(until_ready=False)
         pending, self._pending = self._pending, []
         for bucket, handle, _ in pending:

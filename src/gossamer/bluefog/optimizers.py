@@ -1,0 +1,538 @@
+"""BlueFog's distributed optimizers and training utilities, on :mod:`gossamer.optim`.
+
+Each ``Distributed*Optimizer`` here is a subclass of the matching core optimizer
+(:class:`~gossamer.optim.AdaptWithCombine`, :class:`~gossamer.optim.AdaptThenCombine`,
+:class:`~gossamer.optim.GradientAllreduce`, :class:`~gossamer.optim.WindowPut`): the core
+does the algorithm, and this module only translates BlueFog's names and knobs.
+
+* ``communication_type`` (:class:`CommunicationType`) picks the core communication.
+* BlueFog's writable knobs ``self_weight``, ``src_weights``, ``dst_weights``,
+  ``src_machine_weights``, ``dst_machine_weights`` and ``enable_topo_check`` are read at
+  the start of every communication round, exactly as BlueFog passes them to
+  ``neighbor_allreduce`` / ``hierarchical_neighbor_allreduce``: all None is the static
+  default topology; ``self_weight`` and ``src_weights`` alone are static with those weights;
+  with ``dst_weights`` too the round is dynamic. So a program that sets them before each
+  forward pass (BlueFog's ``GetDynamicOnePeerSendRecvRanks`` pattern) runs a dynamic
+  topology.
+* ``synchronize()``, ``skip_synchronize()``, ``turn_on_timeline()`` and
+  ``turn_off_timeline()`` behave as BlueFog's.
+
+Unlike BlueFog, the objects are not instances of the user's optimizer class: the wrapped
+``torch.optim`` optimizer is ``opt.optimizer`` (give that to learning-rate schedulers). The
+differences are listed in ``docs/bluefog-migration.md``.
+
+Example:
+    >>> opt = bf.DistributedAdaptWithCombineOptimizer(
+    ...     torch.optim.SGD(model.parameters(), lr=0.1), model)
+    >>> send, recv = next(one_peer)      # bf.GetDynamicOnePeerSendRecvRanks(...)
+    >>> opt.dst_weights = send
+    >>> opt.src_weights = {r: 1 / (len(recv) + 1) for r in recv}
+    >>> opt.self_weight = 1 / (len(recv) + 1)
+    >>> loss_fn(model(x), y).backward()
+    >>> opt.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import gossamer
+from gossamer import context
+from gossamer import optim as core
+from gossamer.bluefog._compat import plain_weights
+from gossamer.bluefog.neighbor import _hierarchical, _neighbor_allreduce
+from gossamer.ops.handle import Handle
+from gossamer.optim import (
+    AdaptThenCombine,
+    AdaptWithCombine,
+    Communicator,
+    DecentralizedOptimizer,
+    GradientAllreduce,
+    WindowPut,
+)
+from gossamer.profiling import timeline
+from gossamer.windows import Window
+
+__all__ = [
+    "CommunicationType",
+    "DistributedAdaptThenCombineOptimizer",
+    "DistributedAdaptWithCombineOptimizer",
+    "DistributedAllreduceOptimizer",
+    "DistributedGradientAllreduceOptimizer",
+    "DistributedHierarchicalNeighborAllreduceOptimizer",
+    "DistributedNeighborAllreduceOptimizer",
+    "DistributedWinPutOptimizer",
+    "allreduce_parameters",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+]
+
+
+class CommunicationType(enum.Enum):
+    """What the combine of :class:`DistributedAdaptWithCombineOptimizer` and ATC does."""
+
+    neighbor_allreduce = "neighbor.allreduce"
+    hierarchical_neighbor_allreduce = "hierarchical.neighbor.allreduce"
+    allreduce = "allreduce"
+    empty = "empty"
+
+
+_TO_CORE = {
+    CommunicationType.neighbor_allreduce: "neighbor_allreduce",
+    CommunicationType.hierarchical_neighbor_allreduce: "hierarchical_neighbor_allreduce",
+    CommunicationType.allreduce: "allreduce",
+    CommunicationType.empty: "none",
+}
+_FROM_CORE = {name: kind for kind, name in _TO_CORE.items()}
+
+
+def _core_communication(value: object) -> str:
+    """The core communication name for a :class:`CommunicationType` (or its value)."""
+    if not isinstance(value, CommunicationType):
+        try:
+            value = CommunicationType(value)
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"communication_type must be a CommunicationType; got {value!r}"
+            ) from None
+    return _TO_CORE[value]
+
+
+class _KnobCommunicator(Communicator):
+    """A core :class:`~gossamer.optim.Communicator` whose rounds use BlueFog's knobs.
+
+    The knobs are read when a round starts, and passed on as BlueFog's optimizers pass them
+    to ``neighbor_allreduce`` (or ``hierarchical_neighbor_allreduce``); with all of them
+    None a neighbour round is the core's static default.
+    """
+
+    def __init__(self, communication: str) -> None:
+        super().__init__(communication)
+        self.self_weight: float | None = None
+        self.src_weights: Mapping[int, float] | None = None
+        self.dst_weights: Mapping[int, float] | Sequence[int] | None = None
+        self.src_machine_weights: Mapping[int, float] | None = None
+        self.dst_machine_weights: Mapping[int, float] | Sequence[int] | None = None
+        self.enable_topo_check = False
+
+    def start(self, flat: torch.Tensor) -> Handle | None:
+        """Start this round's operation on ``flat`` with the current knobs."""
+        kind = self.communication
+        if context.size() == 1 or kind in ("allreduce", "none"):
+            return super().start(flat)
+        if kind == "hierarchical_neighbor_allreduce":
+            return _hierarchical(
+                flat,
+                self.self_weight,
+                self.src_machine_weights,
+                self.dst_machine_weights,
+                bool(self.enable_topo_check),
+                True,
+            )
+        if self.self_weight is None and self.src_weights is None and self.dst_weights is None:
+            return super().start(flat)
+        return _neighbor_allreduce(
+            flat,
+            self.self_weight,
+            self.src_weights,
+            self.dst_weights,
+            bool(self.enable_topo_check),
+            True,
+        )
+
+
+class _BlueFogOptimizer(DecentralizedOptimizer):
+    """BlueFog's common methods on a core optimizer (a mixin placed before the core class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._should_synchronize = True
+        self._timeline_handles: list[Any] = []
+        # BlueFog turns its timeline hooks on when BLUEFOG_TIMELINE is set.
+        if timeline.timeline_enabled():
+            self.turn_on_timeline()
+
+    # ------------------------------------------------------------------ synchronization
+    def _in_flight(self) -> bool:
+        """Whether communication was started that :meth:`synchronize` has not finished."""
+        return bool(self._pending)
+
+    def synchronize(self) -> None:
+        """Wait for the communication in flight and write its results; no-op if none."""
+        if self._in_flight():
+            super().synchronize()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Declare that :meth:`step` inside needs no synchronization (BlueFog's, Horovod's).
+
+        For the pattern ``synchronize()``, change the gradients or parameters,
+        ``with skip_synchronize(): step()``. :meth:`synchronize` is a no-op when nothing is
+        in flight, so the step does no second communication. If communication *is* in flight
+        at such a step, it is still waited for (BlueFog would step without it), with a
+        one-time ``Unexpected behavior`` warning.
+        """
+        previous, self._should_synchronize = self._should_synchronize, False
+        try:
+            yield
+        finally:
+            self._should_synchronize = previous
+
+    def _check_skip(self) -> None:
+        if not self._should_synchronize and self._in_flight():
+            self._warn_once(
+                "step() inside skip_synchronize() with communication in flight; it is waited "
+                "for. Call synchronize() before the skip_synchronize() block."
+            )
+
+    def step(self, closure: Any = None) -> Any:
+        """The core step (it synchronizes first, unless nothing is in flight)."""
+        self._check_skip()
+        return super().step(closure)
+
+    # ------------------------------------------------------------------ state
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output, or a plain ``torch.optim`` state dict.
+
+        The latter is what a BlueFog checkpoint holds (its optimizer *was* the torch
+        optimizer); it is loaded into the wrapped optimizer and the counters are kept.
+        """
+        if isinstance(state, dict) and "param_groups" in state and "optimizer" not in state:
+            self.synchronize()
+            self.optimizer.load_state_dict(state)
+            return
+        super().load_state_dict(state)
+
+    # ------------------------------------------------------------------ timeline
+    def turn_on_timeline(self) -> None:
+        """Record ``FORWARD`` and ``GRADIENT COMPT.`` activities per parameter.
+
+        Rows are named by the parameters' names. The spans are written only while gossamer's
+        timeline is on (``GOSSAMER_TIMELINE`` or :func:`gossamer.profiling.start_timeline`);
+        the optimizer turns this on by itself when the timeline is on at its creation.
+        """
+        if self._timeline_handles:
+            return
+        awaiting: set[str] = set()
+        handles: list[Any] = []
+        for param, name in self.param_names.items():
+            handles.append(param.register_post_accumulate_grad_hook(_gradient_done(name, awaiting)))
+        for model in self.models:
+            for prefix, module in model.named_modules():
+                names = [
+                    f"{prefix}.{n}" if prefix else n
+                    for n, p in module.named_parameters(recurse=False)
+                    if p in self.param_names
+                ]
+                if not names:
+                    continue
+                handles.append(module.register_forward_pre_hook(_forward_started(names)))
+                handles.append(module.register_forward_hook(_forward_done(names, awaiting)))
+        self._timeline_handles = handles
+
+    def turn_off_timeline(self) -> None:
+        """Stop recording the per-parameter activities."""
+        handles, self._timeline_handles = self._timeline_handles, []
+        for handle in handles:
+            handle.remove()
+
+
+def _forward_started(names: list[str]) -> Any:
+    def hook(module: nn.Module, inputs: Any) -> None:
+        for name in names:
+            timeline.start_activity(name, "FORWARD")
+
+    return hook
+
+
+def _forward_done(names: list[str], awaiting: set[str]) -> Any:
+    def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        for name in names:
+            timeline.end_activity(name)
+            if torch.is_grad_enabled() and name not in awaiting:
+                awaiting.add(name)
+                timeline.start_activity(name, "GRADIENT COMPT.")
+
+    return hook
+
+
+def _gradient_done(name: str, awaiting: set[str]) -> Any:
+    def hook(param: torch.Tensor) -> None:
+        if name in awaiting:
+            awaiting.discard(name)
+            timeline.end_activity(name)
+
+    return hook
+
+
+def _knob(name: str, doc: str) -> property:
+    """A property that reads and writes the knob ``name`` of the optimizer's communicator."""
+
+    def get(self: Any) -> Any:
+        return getattr(self.communicator, name)
+
+    def set_(self: Any, value: Any) -> None:
+        setattr(self.communicator, name, value)
+
+    return property(get, set_, doc=doc)
+
+
+class _Combine(_BlueFogOptimizer):
+    """The knobs of BlueFog's AWC and ATC optimizers, kept on a :class:`_KnobCommunicator`."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Sequence[nn.Module],
+        communication_type: CommunicationType = CommunicationType.neighbor_allreduce,
+        num_steps_per_communication: int = 1,
+    ) -> None:
+        communication = _core_communication(communication_type)
+        super().__init__(
+            optimizer,
+            model,
+            communication=communication,
+            num_steps_per_communication=num_steps_per_communication,
+        )
+        self.communicator = _KnobCommunicator(communication)
+
+    self_weight = _knob("self_weight", "Weight of this rank's own value (None: default).")
+    src_weights = _knob("src_weights", "``{source rank: weight}`` (None: default topology).")
+    dst_weights = _knob(
+        "dst_weights", "``{destination rank: scale}`` or a rank list; set: a dynamic round."
+    )
+    src_machine_weights = _knob(
+        "src_machine_weights", "``{source machine: weight}`` for hierarchical rounds."
+    )
+    dst_machine_weights = _knob(
+        "dst_machine_weights", "``{destination machine: scale}`` for hierarchical rounds."
+    )
+    enable_topo_check = _knob(
+        "enable_topo_check", "Check that dynamic sends match receives (default False)."
+    )
+
+    @property
+    def communication_type(self) -> CommunicationType:
+        """The combine operation; may be changed between steps."""
+        return _FROM_CORE[self.communicator.communication]
+
+    @communication_type.setter
+    def communication_type(self, value: CommunicationType) -> None:
+        self.communicator.communication = _core_communication(value)
+
+
+class DistributedAdaptWithCombineOptimizer(_Combine, AdaptWithCombine):
+    r"""BlueFog's AWC optimizer: :math:`x^{+} = W x - \eta\, g(x)`, on :class:`AdaptWithCombine`.
+
+    The combine starts after the forward pass of every ``num_steps_per_communication``-th
+    step and overlaps the backward pass; :meth:`step` waits for it and takes the wrapped
+    optimizer's step with the gradient of the pre-combine point.
+
+    Args:
+        optimizer (torch.optim.Optimizer): any torch optimizer of the model's parameters.
+        model (nn.Module | list[nn.Module]): the model(s) owning them.
+        communication_type (CommunicationType): the combine.
+        num_steps_per_communication (int): combine on every this many steps.
+
+    Raises:
+        ValueError: a bad ``communication_type`` or count, or optimizer parameters that are
+            not in the model.
+    """
+
+
+class DistributedAdaptThenCombineOptimizer(_Combine, AdaptThenCombine):
+    r"""BlueFog's ATC optimizer: :math:`x^{+} = W (x - \eta\, g(x))`, on :class:`AdaptThenCombine`.
+
+    :meth:`step` takes the wrapped optimizer's own step (any torch optimizer, no
+    ``register_step_function`` needed) bucket by bucket and starts each bucket's combine at
+    once; the next forward pass (or :meth:`synchronize`) waits for the result.
+
+    Args:
+        optimizer (torch.optim.Optimizer): any torch optimizer of the model's parameters.
+        model (nn.Module | list[nn.Module]): the model(s) owning them.
+        communication_type (CommunicationType): the combine.
+        num_steps_per_communication (int): combine on every this many steps.
+    """
+
+
+class DistributedGradientAllreduceOptimizer(_BlueFogOptimizer, GradientAllreduce):
+    """BlueFog's (Horovod's) gradient-averaging optimizer, on :class:`GradientAllreduce`.
+
+    Args:
+        optimizer (torch.optim.Optimizer): any torch optimizer of the model's parameters.
+        model (nn.Module | list[nn.Module]): the model(s) owning them.
+        num_steps_per_communication (int): backward passes accumulated per :meth:`step`.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Sequence[nn.Module],
+        num_steps_per_communication: int = 1,
+    ) -> None:
+        super().__init__(optimizer, model, num_steps_per_communication=num_steps_per_communication)
+
+    def _in_flight(self) -> bool:
+        # Gradients that arrived but whose bucket has not started count too.
+        return bool(self._pending) or any(self._arrivals.values())
+
+
+class DistributedWinPutOptimizer(_BlueFogOptimizer, WindowPut):
+    """BlueFog's asynchronous win-put optimizer, on :class:`WindowPut`.
+
+    After the forward pass the parameters are put into the out-neighbours' windows (to
+    ``dst_weights``, when set, with those scales); :meth:`synchronize` (and so :meth:`step`)
+    waits for the puts and combines the window buffers into the parameters; then the wrapped
+    optimizer steps. The windows are made per fusion bucket, collectively, here.
+
+    Args:
+        optimizer (torch.optim.Optimizer): any torch optimizer of the model's parameters.
+        model (nn.Module | list[nn.Module]): the model(s) owning them.
+        num_steps_per_communication (int): put on every this many steps.
+        window_prefix (str, optional): accepted for compatibility; the core names the
+            windows (``gossamer.live_windows()`` lists them).
+
+    Attributes:
+        dst_weights: ``{out-neighbour: scale}`` or a list of out-neighbours for the next puts
+            (None: every out-neighbour, scale 1).
+        force_barrier (bool): :meth:`step` starts with a barrier (default False).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Sequence[nn.Module],
+        num_steps_per_communication: int = 1,
+        window_prefix: str | None = None,
+    ) -> None:
+        if window_prefix is not None and not isinstance(window_prefix, str):
+            raise TypeError(f"window_prefix must be a str or None; got {window_prefix!r}")
+        super().__init__(optimizer, model, num_steps_per_communication=num_steps_per_communication)
+        self.window_prefix = window_prefix
+        self.dst_weights: Mapping[int, float] | Sequence[int] | None = None
+        self.force_barrier = False
+
+    def _dst_weights(self, window: Window, share: float = 1.0) -> dict[int, float]:
+        if self.dst_weights is None:
+            return super()._dst_weights(window, share)
+        weights = plain_weights(self.dst_weights)
+        if not isinstance(weights, Mapping):
+            weights = dict.fromkeys(weights, 1.0)  # type: ignore[arg-type]
+        return {int(d): float(w) * share for d, w in weights.items()}
+
+    def _in_flight(self) -> bool:
+        return bool(self._handles)
+
+    def synchronize(self) -> None:
+        """Wait for this rank's puts, then combine the window buffers into the parameters."""
+        if not self._handles:
+            return
+        WindowPut.synchronize(self)  # waits for the puts
+        for bucket, window in zip(self.buckets, self.windows, strict=True):
+            bucket.unpack(window.update(require_mutex=True), lambda p: p.data)
+
+    def step(self, closure: Any = None) -> Any:
+        """Optional barrier, :meth:`synchronize`, then the wrapped optimizer's step."""
+        self._check_skip()
+        if self.force_barrier:
+            gossamer.barrier()
+        self.synchronize()
+        return WindowPut.step(self, closure)  # nothing in flight now: the local step
+
+    def unregister_window(self) -> None:
+        """Free the optimizer's windows (collective); it cannot communicate afterwards."""
+        self.free()
+
+
+def _deprecated(old: str, kind: CommunicationType) -> None:
+    warnings.warn(
+        f"{old} will be deprecated; use DistributedAdaptWithCombineOptimizer(optimizer, model, "
+        f"communication_type=CommunicationType.{kind.name}) instead.",
+        PendingDeprecationWarning,
+        stacklevel=3,
+    )
+
+
+class DistributedAllreduceOptimizer(DistributedAdaptWithCombineOptimizer):
+    """Deprecated: AWC with :attr:`CommunicationType.allreduce`."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Sequence[nn.Module],
+        num_steps_per_communication: int = 1,
+    ) -> None:
+        _deprecated(type(self).__name__, CommunicationType.allreduce)
+        super().__init__(optimizer, model, CommunicationType.allreduce, num_steps_per_communication)
+
+
+class DistributedNeighborAllreduceOptimizer(DistributedAdaptWithCombineOptimizer):
+    """Deprecated: AWC with :attr:`CommunicationType.neighbor_allreduce`."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Sequence[nn.Module],
+        num_steps_per_communication: int = 1,
+    ) -> None:
+        _deprecated(type(self).__name__, CommunicationType.neighbor_allreduce)
+        super().__init__(
+            optimizer, model, CommunicationType.neighbor_allreduce, num_steps_per_communication
+        )
+
+
+class DistributedHierarchicalNeighborAllreduceOptimizer(DistributedAdaptWithCombineOptimizer):
+    """Deprecated: AWC with :attr:`CommunicationType.hierarchical_neighbor_allreduce`."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Sequence[nn.Module],
+        num_steps_per_communication: int = 1,
+    ) -> None:
+        kind = CommunicationType.hierarchical_neighbor_allreduce
+        _deprecated(type(self).__name__, kind)
+        super().__init__(optimizer, model, kind, num_steps_per_communication)
+
+
+# ---------------------------------------------------------------------- utilities
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Overwrite every rank's tensors, in place, with rank ``root_rank``'s. Collective.
+
+    Args:
+        params: a ``state_dict`` (its items are taken in sorted key order, as BlueFog), a
+            list or iterator of ``(name, tensor)`` pairs (``named_parameters()``), a list of
+            tensors, or an ``nn.Module``.
+        root_rank (int): the rank whose values everyone takes.
+
+    Raises:
+        TypeError: ``params`` is none of those.
+    """
+    core.broadcast_parameters(params, root_rank)
+
+
+def allreduce_parameters(params: Any) -> None:
+    """Replace every rank's floating-point tensors, in place, by their average. Collective.
+
+    ``params`` is as for :func:`broadcast_parameters`; integer tensors (such as batch-norm's
+    ``num_batches_tracked``) are left alone.
+    """
+    core.allreduce_parameters(params)
+
+
+def broadcast_optimizer_state(optimizer: Any, root_rank: int) -> None:
+    """Give every rank rank ``root_rank``'s optimizer state and hyper-parameters. Collective.
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer or one of this module's optimizers (its
+            wrapped optimizer is used). Any optimizer works, LBFGS included.
+        root_rank (int): the rank whose state everyone takes.
+    """
+    core.broadcast_optimizer_state(optimizer, root_rank)

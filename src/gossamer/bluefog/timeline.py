@@ -1,0 +1,92 @@
+"""BlueFog's user timeline activities, on :mod:`gossamer.profiling.timeline`.
+
+BlueFog writes the timeline when ``BLUEFOG_TIMELINE`` (``bfrun --timeline-filename``) names a
+file prefix. gossamer's timeline is started by ``GOSSAMER_TIMELINE=<prefix>`` (read by
+``gossamer.init``, hence by ``bf.init``) or by :func:`gossamer.profiling.start_timeline`.
+An activity is a span on the row named ``tensor_name`` of this rank's trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+from gossamer.profiling import timeline
+
+__all__ = ["timeline_context", "timeline_end_activity", "timeline_start_activity"]
+
+logger = logging.getLogger(__name__)
+
+_complained = [False]
+
+
+def _on() -> bool:
+    """Whether the timeline records; logs an error the first time it does not (as BlueFog)."""
+    if timeline.timeline_enabled():
+        return True
+    if not _complained[0]:
+        _complained[0] = True
+        logger.error(
+            "The timeline is not on, so timeline activities are not recorded. Set "
+            "GOSSAMER_TIMELINE=<file prefix> before bf.init() (BlueFog's BLUEFOG_TIMELINE) "
+            "or call gossamer.profiling.start_timeline()."
+        )
+    return False
+
+
+def timeline_start_activity(tensor_name: str, activity_name: str) -> bool:
+    """Begin ``activity_name`` on the timeline row ``tensor_name``.
+
+    Args:
+        tensor_name (str): the row (BlueFog's tensor name).
+        activity_name (str): the label of the span.
+
+    Returns:
+        bool: True if recorded; False (with an error logged once) while the timeline is off.
+
+    Example:
+        >>> timeline_start_activity("batch", "LOAD")  # timeline off
+        False
+    """
+    if not _on():
+        return False
+    timeline.start_activity(tensor_name, activity_name)
+    return True
+
+
+def timeline_end_activity(tensor_name: str) -> bool:
+    """End the latest activity begun on the row ``tensor_name``.
+
+    Args:
+        tensor_name (str): the row given to :func:`timeline_start_activity`.
+
+    Returns:
+        bool: True if recorded; False (with an error logged once) while the timeline is off.
+
+    Example:
+        >>> timeline_end_activity("batch")  # timeline off
+        False
+    """
+    if not _on():
+        return False
+    timeline.end_activity(tensor_name)
+    return True
+
+
+@contextlib.contextmanager
+def timeline_context(tensor_name: str, activity_name: str) -> Iterator[None]:
+    """Record the ``with`` block as ``activity_name`` on the row ``tensor_name``.
+
+    The activity ends also when the block raises (BlueFog's left it open).
+
+    Example:
+        >>> with timeline_context("model", "FORWARD"):
+        ...     pass
+    """
+    started = timeline_start_activity(tensor_name, activity_name)
+    try:
+        yield
+    finally:
+        if started:
+            timeline.end_activity(tensor_name)

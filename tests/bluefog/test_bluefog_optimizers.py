@@ -1,0 +1,444 @@
+"""bf.Distributed*Optimizer on the core optimizers: convergence, knobs, methods, utilities."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gossamer
+import gossamer.bluefog as bf
+from gossamer import optim
+from gossamer import topology as topo
+from gossamer.testing import run_distributed
+
+D, M = 5, 50
+HIER = {"GOSSAMER_NODES_PER_MACHINE": "2"}
+
+
+# The small least-squares problem of tests/algorithms/problems.py.
+def least_squares_data(rank):
+    g = np.random.default_rng(rank)
+    A = g.normal(size=(M, D))
+    b = A @ np.linspace(-1, 1, D) + 0.5 * g.normal(size=M)
+    return torch.tensor(A), torch.tensor(b)
+
+
+def least_squares_optimum(world_size):
+    parts = [least_squares_data(r) for r in range(world_size)]
+    A = torch.cat([a for a, _ in parts]).numpy()
+    b = torch.cat([b for _, b in parts]).numpy()
+    return torch.tensor(np.linalg.lstsq(A, b, rcond=None)[0])
+
+
+def linear_model():
+    torch.manual_seed(0)
+    model = nn.Linear(D, 1, bias=False).double()
+    nn.init.zeros_(model.weight)
+    return model
+
+
+def _loss(model, A, b):
+    return ((model(A).squeeze(1) - b) ** 2).mean() / 2
+
+
+# ---------------------------------------------------------------------- convergence
+def _make(kind, model, base):
+    C = bf.CommunicationType
+    if kind == "awc":
+        return bf.DistributedAdaptWithCombineOptimizer(base, model)
+    if kind == "awc-allreduce":
+        return bf.DistributedAdaptWithCombineOptimizer(base, model, C.allreduce)
+    if kind == "atc":
+        return bf.DistributedAdaptThenCombineOptimizer(base, model)
+    if kind == "atc-hierarchical":
+        assert bf.set_machine_topology(bf.ExponentialTwoGraph(bf.machine_size()))
+        return bf.DistributedAdaptThenCombineOptimizer(
+            base, model, communication_type=C.hierarchical_neighbor_allreduce
+        )
+    if kind == "gradient-allreduce":
+        return bf.DistributedGradientAllreduceOptimizer(base, model)
+    if kind == "win-put":
+        return bf.DistributedWinPutOptimizer(base, model)
+    raise AssertionError(kind)
+
+
+def _train(kind, steps, lr, decay):
+    bf.init()
+    A, b = least_squares_data(bf.rank())
+    model = linear_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = _make(kind, model, sgd)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lambda k: 1 / (1 + k / decay))
+    for _ in range(steps):
+        opt.zero_grad()
+        _loss(model, A, b).backward()
+        opt.step()
+        schedule.step()
+    opt.synchronize()
+    if kind == "win-put":
+        opt.unregister_window()
+    return model.weight.detach().squeeze(0).clone()
+
+
+CASES = [
+    ("awc", 300, 0.3, 10),
+    ("awc-allreduce", 300, 0.3, 10),
+    ("atc", 300, 0.3, 10),
+    ("gradient-allreduce", 100, 0.3, 1e9),
+    ("win-put", 300, 0.3, 10),
+]
+
+
+@pytest.mark.parametrize(("kind", "steps", "lr", "decay"), CASES, ids=[c[0] for c in CASES])
+def test_optimizers_reach_the_least_squares_optimum(kind, steps, lr, decay):
+    optimum = least_squares_optimum(4)
+    for weight in run_distributed(_train, 4, args=(kind, steps, lr, decay), timeout=120):
+        assert (weight - optimum).norm() / optimum.norm() < 1e-2, kind
+
+
+# ---------------------------------------------------------------------- dynamic knobs
+def _one_peer(kind, steps):
+    """BlueFog's per-step one-peer knobs, and the core optimizer with the same schedule."""
+    bf.init()
+    r, n = bf.rank(), bf.size()
+    A, b = least_squares_data(r)
+    results = []
+    for facade in (True, False):
+        model = linear_model()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        if facade:
+            cls = {
+                "awc": bf.DistributedAdaptWithCombineOptimizer,
+                "atc": bf.DistributedAdaptThenCombineOptimizer,
+            }[kind]
+            opt = cls(sgd, model)
+            pairs = bf.GetDynamicOnePeerSendRecvRanks(bf.ExponentialTwoGraph(n), r)
+        else:
+            cls = {"awc": optim.AdaptWithCombine, "atc": optim.AdaptThenCombine}[kind]
+            schedule = topo.one_peer_exponential(topo.exponential_two(n), r)
+            opt = cls(sgd, model, schedule=schedule)
+        for _ in range(steps):
+            if facade:  # as BlueFog's examples do, before each forward pass
+                send, recv = next(pairs)
+                opt.dst_weights = send
+                opt.src_weights = {s: 1 / (len(recv) + 1) for s in recv}
+                opt.self_weight = 1 / (len(recv) + 1)
+                opt.enable_topo_check = True
+            opt.zero_grad()
+            _loss(model, A, b).backward()
+            opt.step()
+        opt.synchronize()
+        results.append(model.weight.detach().clone())
+    return results
+
+
+@pytest.mark.parametrize("kind", ["awc", "atc"])
+def test_one_peer_knobs_match_the_core_schedule(kind):
+    for facade, core in run_distributed(_one_peer, 4, args=(kind, 12)):
+        torch.testing.assert_close(facade, core, rtol=1e-14, atol=1e-14)
+
+
+def _static_weights_and_types():
+    """Static knobs (self and src weights alone), and switching communication_type."""
+    bf.init()
+    r, n = bf.rank(), bf.size()
+    bf.set_topology(bf.RingGraph(n))
+    C = bf.CommunicationType
+    out = {}
+    try:
+        model = nn.Linear(3, 1, bias=False).double()
+        with torch.no_grad():
+            model.weight.fill_(float(r))
+        opt = bf.DistributedAdaptWithCombineOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0), model
+        )
+        out["default_type"] = opt.communication_type
+        x = torch.zeros(1, 3, dtype=torch.float64)
+        opt.self_weight = 0.5
+        opt.src_weights = {(r - 1) % n: 0.5}  # only the left neighbour
+        model(x).sum().backward()
+        opt.step()
+        out["static"] = model.weight.detach().clone()
+        opt.self_weight = opt.src_weights = None
+        opt.communication_type = "allreduce"  # BlueFog's value string is accepted too
+        out["allreduce_type"] = opt.communication_type
+        model(x).sum().backward()
+        opt.step()
+        out["allreduce"] = model.weight.detach().clone()
+        opt.communication_type = C.empty
+        with torch.no_grad():
+            model.weight.fill_(float(r))
+        model(x).sum().backward()
+        opt.step()
+        out["empty"] = model.weight.detach().clone()
+        try:
+            opt.communication_type = "ring"
+        except ValueError:
+            out["bad_type"] = True
+    finally:
+        bf.set_topology()
+    return out
+
+
+def test_static_weight_knobs_and_communication_type():
+    n = 4
+    for r, out in enumerate(run_distributed(_static_weights_and_types, n)):
+        assert out["default_type"] is bf.CommunicationType.neighbor_allreduce
+        assert out["allreduce_type"] is bf.CommunicationType.allreduce
+        left = (r - 1) % n
+        assert torch.equal(out["static"], torch.full((1, 3), 0.5 * r + 0.5 * left).double())
+        mean = sum(0.5 * s + 0.5 * ((s - 1) % n) for s in range(n)) / n
+        torch.testing.assert_close(out["allreduce"], torch.full((1, 3), mean).double())
+        assert torch.equal(out["empty"], torch.full((1, 3), float(r)).double())
+        assert out["bad_type"]
+
+
+# ---------------------------------------------------------------------- methods
+def _methods():
+    bf.init()
+    r = bf.rank()
+    out = {}
+    A, b = least_squares_data(r)
+    # Gradient allreduce: synchronize, clip, then step inside skip_synchronize.
+    model = linear_model()
+    opt = bf.DistributedGradientAllreduceOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model
+    )
+    assert opt.param_groups is opt.optimizer.param_groups
+    _loss(model, A, b).backward()
+    opt.synchronize()
+    out["averaged_grad"] = model.weight.grad.clone()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with opt.skip_synchronize():
+            opt.step()  # no second allreduce: the clipped gradient is used
+    out["after_clipped_step"] = model.weight.detach().clone()
+    # Misuse: skip_synchronize with communication in flight waits anyway, and warns.
+    opt.zero_grad()
+    _loss(model, A, b).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with opt.skip_synchronize():
+            opt.step()
+    out["misuse_warned"] = any("Unexpected behavior" in str(w.message) for w in caught)
+    out["misuse_weight"] = model.weight.detach().clone()
+    # state_dict round trip, and loading a plain torch state dict (a BlueFog checkpoint).
+    awc_model = linear_model()
+    adam = torch.optim.Adam(awc_model.parameters(), lr=0.01)
+    awc = bf.DistributedAdaptWithCombineOptimizer(adam, awc_model)
+    for _ in range(2):
+        awc.zero_grad()
+        _loss(awc_model, A, b).backward()
+        awc.step()
+    state = awc.state_dict()
+    out["steps"] = state["communication"]["steps"]
+    plain = adam.state_dict()
+    fresh = bf.DistributedAdaptWithCombineOptimizer(
+        torch.optim.Adam(awc_model.parameters(), lr=0.5), awc_model
+    )
+    fresh.load_state_dict(plain)
+    out["plain_lr"] = fresh.param_groups[0]["lr"]
+    out["plain_step"] = float(fresh.state[awc_model.weight]["step"])
+    fresh.load_state_dict(state)
+    out["restored_steps"] = fresh.steps
+    for hook in awc._hooks + fresh._hooks:
+        hook.remove()
+    return out
+
+
+def test_optimizer_methods():
+    n = 4
+    parts = [least_squares_data(r) for r in range(n)]
+    grads = []
+    for A, b in parts:
+        model = linear_model()
+        _loss(model, A, b).backward()
+        grads.append(model.weight.grad)
+    mean = sum(grads) / n
+    clipped = mean * min(1.0, 1e-3 / (mean.norm().item() + 1e-6))
+    got = run_distributed(_methods, n)
+    for out in got:
+        torch.testing.assert_close(out["averaged_grad"], mean)
+        torch.testing.assert_close(out["after_clipped_step"], -0.1 * clipped)
+        assert out["misuse_warned"]
+        assert out["steps"] == 2 and out["restored_steps"] == 2
+        assert out["plain_lr"] == 0.01 and out["plain_step"] == 2.0
+        # The misused step waited for the averaged gradient after all.
+        assert torch.equal(out["misuse_weight"], got[0]["misuse_weight"])
+
+
+def _deprecated():
+    bf.init()
+    model = linear_model()
+    out = {}
+    for name in (
+        "DistributedAllreduceOptimizer",
+        "DistributedNeighborAllreduceOptimizer",
+        "DistributedHierarchicalNeighborAllreduceOptimizer",
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = getattr(bf, name)(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        assert isinstance(opt, bf.DistributedAdaptWithCombineOptimizer)
+        kinds = [w.category for w in caught]
+        out[name] = (kinds, opt.communication_type, caught[0].filename == __file__)
+        for hook in opt._hooks:
+            hook.remove()
+    return out
+
+
+def test_deprecated_optimizers_warn():
+    C = bf.CommunicationType
+    want = {
+        "DistributedAllreduceOptimizer": C.allreduce,
+        "DistributedNeighborAllreduceOptimizer": C.neighbor_allreduce,
+        "DistributedHierarchicalNeighborAllreduceOptimizer": C.hierarchical_neighbor_allreduce,
+    }
+    for out in run_distributed(_deprecated, 4):
+        for name, (kinds, kind, at_caller) in out.items():
+            assert kinds == [PendingDeprecationWarning], name
+            assert kind is want[name]
+            assert at_caller  # the warning points at the line that made the optimizer
+
+
+def _win_put_knob():
+    """dst_weights names one out-neighbour per step: only it receives the put."""
+    bf.init()
+    r, n = bf.rank(), bf.size()
+    model = nn.Linear(2, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.fill_(float(r))
+    opt = bf.DistributedWinPutOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), model, window_prefix="win."
+    )
+    opt.force_barrier = True
+    try:
+        opt.dst_weights = [(r + 1) % n]
+        model(torch.zeros(1, 2, dtype=torch.float64)).sum().backward()
+        optim.WindowPut.synchronize(opt)  # the core's: wait for this rank's put only
+        bf.barrier()  # every put has landed
+        versions = opt.windows[0].versions()
+        opt.step()  # with a barrier; the puts were waited for, so a local step
+        return versions
+    finally:
+        opt.unregister_window()
+
+
+def test_win_put_dst_weights_knob():
+    n = 4
+    # ExponentialGraph(4): the in-neighbours of r are r-1 and r-2; only r-1 put to r.
+    for r, versions in enumerate(run_distributed(_win_put_knob, n)):
+        assert versions == {(r - 1) % n: 1, (r - 2) % n: 0}
+
+
+# ---------------------------------------------------------------------- utilities
+def _utilities():
+    bf.init()
+    r = bf.rank()
+    torch.manual_seed(r)
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    model.train()
+    model(torch.randn(4, 3))  # batch-norm buffers differ per rank
+    bf.broadcast_parameters(model.state_dict(), root_rank=1)
+    out = {"state_dict": [t.clone() for t in model.state_dict().values()]}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(r)
+    bf.broadcast_parameters(list(model.named_parameters()), 2)
+    out["named"] = [p.detach().clone() for p in model.parameters()]
+    tensors = [torch.full((2,), float(r)), torch.full((3,), 10.0 * r)]
+    bf.broadcast_parameters(tensors, 0)
+    out["tensors"] = tensors
+    bf.allreduce_parameters(model.state_dict())
+    moved = [torch.full((2,), float(r))]
+    bf.allreduce_parameters(moved)
+    out["averaged"] = moved[0]
+    named = [("w", torch.full((2,), 2.0 * r))]
+    bf.allreduce_parameters(named)
+    out["averaged_named"] = named[0][1]
+    # Optimizer state: the facade optimizer and a plain torch optimizer.
+    lin = linear_model()
+    adam = torch.optim.Adam(lin.parameters(), lr=0.01 * (r + 1))
+    if r == 0:
+        lin(torch.ones(1, D, dtype=torch.float64)).sum().backward()
+        adam.step()  # only the root has state
+    opt = bf.DistributedAdaptWithCombineOptimizer(adam, lin)
+    bf.broadcast_optimizer_state(opt, root_rank=0)
+    out["lr"] = opt.param_groups[0]["lr"]
+    out["exp_avg"] = opt.state[lin.weight]["exp_avg"].clone()
+    sgd = torch.optim.SGD(lin.parameters(), lr=0.1 * (r + 1), momentum=0.9)
+    bf.broadcast_optimizer_state(sgd, 1)
+    out["sgd_lr"] = sgd.param_groups[0]["lr"]
+    for hook in opt._hooks:
+        hook.remove()
+    return out
+
+
+def test_parameter_and_state_utilities():
+    n = 4
+    got = run_distributed(_utilities, n)
+    for r, out in enumerate(got):
+        for mine, root in zip(out["state_dict"], got[1]["state_dict"], strict=True):
+            assert torch.equal(mine, root)
+        for mine, root in zip(out["named"], got[2]["named"], strict=True):
+            assert torch.equal(mine, root)
+        assert torch.equal(out["tensors"][0], torch.zeros(2))
+        assert torch.equal(out["tensors"][1], torch.zeros(3))
+        torch.testing.assert_close(out["averaged"], torch.full((2,), 1.5))
+        torch.testing.assert_close(out["averaged_named"], torch.full((2,), 3.0))
+        assert out["lr"] == pytest.approx(0.01) and out["sgd_lr"] == pytest.approx(0.2)
+        assert torch.equal(out["exp_avg"], got[0]["exp_avg"]) and out["exp_avg"].abs().sum() > 0
+        assert r in range(n)
+
+
+# ---------------------------------------------------------------------- machine level
+def _train_hierarchical():
+    try:
+        return _train("atc-hierarchical", 300, 0.3, 10)
+    finally:
+        gossamer.set_machine_topology(None)
+
+
+def test_hierarchical_atc_reaches_the_optimum():
+    optimum = least_squares_optimum(4)
+    for weight in run_distributed(_train_hierarchical, 4, env=HIER, timeout=120):
+        assert (weight - optimum).norm() / optimum.norm() < 1e-2
+
+
+def _machine_one_peer(steps):
+    bf.init()
+    r, n, local = bf.rank(), bf.size(), bf.local_size()
+    A, b = least_squares_data(r)
+    results = []
+    for facade in (True, False):
+        model = linear_model()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        if facade:
+            opt = bf.DistributedAdaptWithCombineOptimizer(
+                sgd, model, bf.CommunicationType.hierarchical_neighbor_allreduce
+            )
+            pairs = bf.GetExp2DynamicSendRecvMachineRanks(n, local, r, bf.local_rank())
+        else:
+            schedule = topo.machine_exponential_two(n, local, r)
+            opt = optim.AdaptWithCombine(
+                sgd, model, communication="hierarchical_neighbor_allreduce", schedule=schedule
+            )
+        for _ in range(steps):
+            if facade:
+                send, recv = next(pairs)
+                opt.dst_machine_weights = send
+                opt.src_machine_weights = {m: 1 / (len(recv) + 1) for m in recv}
+                opt.self_weight = 1 / (len(recv) + 1)
+            opt.zero_grad()
+            _loss(model, A, b).backward()
+            opt.step()
+        results.append(model.weight.detach().clone())
+    return results
+
+
+def test_machine_knobs_match_the_core_schedule():
+    for facade, core in run_distributed(_machine_one_peer, 4, args=(8,), env=HIER):
+        torch.testing.assert_close(facade, core, rtol=1e-14, atol=1e-14)
