@@ -57,7 +57,7 @@ def test_multi_machine_plan_uses_the_rendezvous_endpoint():
         (["run", "a.py"], "-np"),
         (["run", "-np", "2"], "no program"),
         (["run", "-np", "2", "-m"], "no program"),
-    (["run", "-np", "2", "missing.py"], "script 'missing.py' does not exist"),
+        (["run", "-np", "2", "missing.py"], "script 'missing.py' does not exist"),
         (["run", "-np", "3", "--nnodes", "2", "--rdzv-endpoint", "h:1", "a.py"], "divisible"),
         (["run", "-np", "4", "--nnodes", "2", "a.py"], "--rdzv-endpoint"),
         (["run", "-np", "4", "-H", "a:2,b:2", "--nnodes", "2", "a.py"], "cannot be combined"),
