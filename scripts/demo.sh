@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/gossamer run -np "${NP:-4}" examples/average_consensus.py "$@"
+exec .venv/bin/gossamer run -np "${NP:-4}" examples/train_digits.py "$@"

@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check src tests examples
-.venv/bin/ruff format --check src tests examples
+.venv/bin/ruff check src tests examples benchmarks scripts
+.venv/bin/ruff format --check src tests examples benchmarks scripts
 .venv/bin/python -m pytest "$@"

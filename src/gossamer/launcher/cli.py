@@ -31,6 +31,7 @@ _VALUED = {
     "--nproc-per-node",
     "--rdzv-endpoint",
     "--rdzv-id",
+    "--node-rank",
     "--network-interface",
     "--ssh-port",
 }
@@ -82,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (multi-machine)")
     run.add_argument("--rdzv-id", help="job id shared by all machines (default: a fixed one)")
+    run.add_argument(
+        "--node-rank",
+        type=int,
+        help="this machine's index (0..nnodes-1): static rendezvous at --rdzv-endpoint, "
+        "served by machine 0; its ranks are node_rank*nproc_per_node onwards",
+    )
     run.add_argument("--network-interface", help="network interface for gloo and NCCL traffic")
     run.add_argument("--ssh-port", type=_positive_int("--ssh-port"), help="ssh port for -H")
     run.add_argument("--verbose", action="store_true", help="show torchrun's own log")
@@ -158,7 +165,24 @@ def _plan(args: argparse.Namespace, command: list[str]) -> dict:
         per_node = args.num_proc // nnodes
     if nnodes > 1 and not args.rdzv_endpoint:
         raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint host:port")
-    if args.rdzv_endpoint:
+    if args.node_rank is not None:
+        if not 0 <= args.node_rank < nnodes:
+            raise ValueError(f"--node-rank must be in 0..{nnodes - 1}; got {args.node_rank}")
+        if not args.rdzv_endpoint:
+            raise ValueError("--node-rank needs --rdzv-endpoint host:port")
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--rdzv-endpoint must be host:port; got {args.rdzv_endpoint!r}")
+        # Static rendezvous: ranks follow node order (node k holds k*nproc..), which the
+        # c10d rendezvous does not promise; machine 0's agent serves the store.
+        torchrun = [
+            f"--nnodes={nnodes}",
+            "--rdzv-backend=static",
+            f"--master-addr={host}",
+            f"--master-port={port}",
+            f"--node-rank={args.node_rank}",
+        ]
+    elif args.rdzv_endpoint:
         torchrun = [
             f"--nnodes={nnodes}",
             "--rdzv-backend=c10d",

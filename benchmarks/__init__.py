@@ -1,0 +1,1 @@
+"""Benchmarks (importable so that tests can reach benchmarks.netbench)."""

@@ -1,0 +1,155 @@
+"""Command line of the emulated-cluster benchmark.
+
+    python -m benchmarks.netbench --preset smoke|full|accuracy [--rates 1gbit,100mbit]
+        [--hosts 4] [--ranks-per-host 1,2] [--models mlp,resnet,transformer]
+        [--accuracy-steps 300 --accuracy-rate 100mbit] [--out results/netbench]
+
+Needs root and iproute2; says which is missing and exits 1 otherwise. Throughput: every
+model and strategy at every rate and layout (:mod:`benchmarks.netbench.worker`). Time to
+accuracy: at ``--accuracy-rate`` with the first layout, every strategy trains on digits for
+``--accuracy-steps`` steps (:mod:`benchmarks.netbench.accuracy`; 0 skips it). Writes
+``results.md`` (tables, targets), ``rows.json`` and ``accuracy.json`` (every measurement),
+one ``<model>.png`` per model and ``accuracy.png`` under ``--out``; per-host launcher logs
+under ``--out/logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.netbench import report
+from benchmarks.netbench.cluster import Cluster, format_rate, parse_rates, preflight
+from benchmarks.netbench.runner import run_job
+from benchmarks.netbench.worker import MODELS, STRATEGIES
+
+PRESETS = {
+    # Two hosts with two ranks each so that hierarchical averaging runs too; ~1 minute.
+    "smoke": {
+        "hosts": 2, "ranks_per_host": "2", "rates": "1gbit", "models": "mlp",
+        "batch": 16, "warmup": 1, "steps": 2, "reps": 1,
+        "accuracy_steps": 20, "accuracy_rate": "1gbit",
+    },
+    "full": {
+        "hosts": 4, "ranks_per_host": "1,2", "rates": "unshaped,10gbit,1gbit,100mbit",
+        "models": "mlp,resnet,transformer", "batch": 32, "warmup": 2, "steps": 5, "reps": 3,
+        "accuracy_steps": 300, "accuracy_rate": "100mbit",
+    },
+    # Time to accuracy only (the issue's setting: 4 hosts x 1 rank at 100 Mbit).
+    "accuracy": {
+        "hosts": 4, "ranks_per_host": "1", "rates": "100mbit", "models": "", "batch": 32,
+        "warmup": 2, "steps": 5, "reps": 1, "accuracy_steps": 300, "accuracy_rate": "100mbit",
+    },
+}  # fmt: skip
+# With 2 ranks per host only what the layout adds is measured (beside DDP and the baseline).
+TWO_PER_HOST = ("compute", "ddp", "atc/one-peer", "hier-atc")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Options; unset ones come from the preset."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.netbench", description=__doc__)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
+    parser.add_argument("--hosts", type=int)
+    parser.add_argument("--ranks-per-host", help="comma-separated, e.g. 1,2")
+    parser.add_argument("--rates", help="comma-separated: unshaped, 10gbit, 1gbit, 100mbit")
+    parser.add_argument("--models", help=f"comma-separated of {','.join(MODELS)}")
+    parser.add_argument("--strategies", help=f"comma-separated of {','.join(STRATEGIES)}")
+    for name in ("batch", "warmup", "steps", "reps", "accuracy-steps"):
+        parser.add_argument(f"--{name}", type=int)
+    parser.add_argument("--accuracy-rate", help="the rate of the time-to-accuracy run")
+    parser.add_argument("--out", default="results/netbench")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per job")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; return the exit code."""
+    args = build_parser().parse_args(argv)
+    cfg = dict(PRESETS[args.preset])
+    cfg.update({k: v for k, v in vars(args).items() if v is not None and k in cfg})
+    reason = preflight()
+    if reason:
+        print(f"netbench: cannot run: {reason}", file=sys.stderr)
+        return 1
+    rates = parse_rates(cfg["rates"])
+    accuracy_rate = parse_rates(cfg["accuracy_rate"])[0]
+    if cfg["accuracy_steps"] and accuracy_rate not in rates:
+        rates.append(accuracy_rate)
+    layouts = [int(p) for p in str(cfg["ranks_per_host"]).split(",")]
+    models = [m for m in cfg["models"].split(",") if m]
+    for model in models:
+        if model not in MODELS:
+            print(f"netbench: unknown model {model!r}", file=sys.stderr)
+            return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    accuracy: list[dict] = []
+    start = time.monotonic()
+    for rate in rates:
+        with Cluster(cfg["hosts"], rate) as cluster:
+            for per_host in layouts if models else []:
+                print(f"netbench: {format_rate(rate)}, {cfg['hosts']} hosts x {per_host} "
+                      f"ranks ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
+                rows += run_job(cluster, per_host, _worker_args(cfg, args, per_host, models),
+                                out, timeout=args.timeout)  # fmt: skip
+                (out / "rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+            if cfg["accuracy_steps"] and rate == accuracy_rate:
+                print(f"netbench: time to accuracy at {format_rate(rate)} "
+                      f"({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
+                worker = ["--steps", str(cfg["accuracy_steps"])]
+                accuracy = run_job(cluster, layouts[0], worker, out, timeout=args.timeout,
+                                   module="benchmarks.netbench.accuracy")  # fmt: skip
+                (out / "accuracy.json").write_text(json.dumps(accuracy, indent=1) + "\n")
+    text = _markdown(args.preset, cfg, rows, accuracy, models, out, time.monotonic() - start)
+    (out / "results.md").write_text(text)
+    print(text)
+    return 0
+
+
+def _worker_args(cfg: dict, args: argparse.Namespace, per_host: int, models: list[str]):
+    strategies = args.strategies or ",".join(
+        s for s in STRATEGIES if (s in TWO_PER_HOST if per_host > 1 else s != "hier-atc")
+    )
+    return [
+        "--models", ",".join(models), "--strategies", strategies,
+        "--batch", str(cfg["batch"]), "--warmup", str(cfg["warmup"]),
+        "--steps", str(cfg["steps"]), "--reps", str(cfg["reps"]),
+    ]  # fmt: skip
+
+
+def _markdown(preset, cfg, rows, accuracy, models, out: Path, seconds: float) -> str:
+    """results.md: the throughput table and targets, the plots, the time-to-accuracy table."""
+    parts = [f"# netbench ({preset}): {cfg['hosts']} hosts, gloo; {seconds:.0f} s"]
+    if rows:
+        agg = report.aggregate(rows)
+        targets = "\n".join(f"- {t}" for t in report.targets(agg))
+        parts += [
+            f"## Throughput\n\nBatch {cfg['batch']} per rank, {cfg['warmup']} warm-up + "
+            f"{cfg['steps']} timed steps, {cfg['reps']} alternated repetitions.",
+            report.markdown_table(agg),
+            report.COLUMNS,
+            "### Targets\n\n" + (targets or "(judged at 1 rank per host)"),
+        ]
+        for model in models:
+            report.plot(agg, model, out / f"{model}.png")
+            parts.append(f"![{model}]({model}.png)")
+    if accuracy:
+        report.plot_accuracy(accuracy, out / "accuracy.png")
+        first = accuracy[0]
+        parts += [
+            f"## Time to accuracy\n\nDigits, MLP of {first['params_bytes'] / 1e6:.1f} MB, "
+            f"batch {first['batch']} per rank, SGD with momentum, {first['steps']} steps; "
+            f"target {first['target']:.0%} mean test accuracy of the ranks' models.",
+            report.accuracy_table(accuracy),
+            "\n".join(f"- {t}" for t in report.accuracy_targets(accuracy)),
+            "![accuracy](accuracy.png)",
+        ]
+    return "\n\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The per-rank training script of the emulated-cluster benchmark (started by the runner).
+
+    gossamer run --nnodes H --node-rank K ... -m benchmarks.netbench.worker --out f.json ...
+
+For each model, strategies are measured in rounds; each round visits every strategy once,
+in an order rotated by one per round, so slow drift (thermal, other load) spreads over all
+of them. A measurement: build the model and optimizer, ``warmup`` steps, then ``steps``
+timed steps between barriers, with the host's ``eth0`` transmit counter read before and
+after. ``compute`` is the same step without any communication: the local cost that the
+runner subtracts to get the communication time. Rank 0 writes one JSON row per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gossamer
+from gossamer import optim
+from gossamer import topology as topo
+from gossamer.models import MLP, SmallResNet
+
+STRATEGIES = (
+    "compute",
+    "ddp",
+    "gradient-allreduce",
+    "awc/exp2",
+    "atc/exp2",
+    "atc/one-peer",
+    "hier-atc",
+    "win-put",
+)
+
+
+class TinyTransformer(nn.Module):
+    """A two-layer transformer encoder classifier over token sequences (~0.9M parameters)."""
+
+    def __init__(self, vocab: int = 1000, dim: int = 128, layers: int = 2, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(batch, classes)`` from the mean of the encoded tokens."""
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+# name -> (constructor, input maker for a batch size)
+MODELS = {
+    # 1024 -> 5 x 1024 -> 10: 5.26M parameters, 21 MB of float32 per exchange.
+    "mlp": (lambda: MLP(1024, 1024, 10, depth=5), lambda b: torch.randn(b, 1024)),
+    "resnet": (lambda: SmallResNet(width=16), lambda b: torch.randn(b, 3, 32, 32)),
+    "transformer": (TinyTransformer, lambda b: torch.randint(0, 1000, (b, 32))),
+}
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (what one model exchange moves)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
+    """The model to call and the optimizer to step for ``strategy``, around ``sgd``."""
+    size, rank = gossamer.size(), gossamer.rank()
+    if strategy == "compute":
+        return model, sgd
+    if strategy == "ddp":
+        return nn.parallel.DistributedDataParallel(model), sgd
+    if strategy == "gradient-allreduce":
+        return model, optim.GradientAllreduce(sgd, model)
+    if strategy == "awc/exp2":
+        return model, optim.AdaptWithCombine(sgd, model, topology=topo.exponential_two(size))
+    if strategy == "atc/exp2":
+        return model, optim.AdaptThenCombine(sgd, model, topology=topo.exponential_two(size))
+    if strategy == "atc/one-peer":
+        schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
+        return model, optim.AdaptThenCombine(sgd, model, schedule=schedule)
+    if strategy == "hier-atc":
+        gossamer.set_machine_topology(topo.exponential_two(gossamer.machine_size()))
+        return model, optim.AdaptThenCombine(
+            sgd, model, communication="hierarchical_neighbor_allreduce"
+        )
+    if strategy == "win-put":
+        return model, optim.WindowPut(sgd, model, topology=topo.exponential_two(size))
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def release(strategy: str, opt) -> None:
+    """Undo what :func:`wrap` set up beyond the optimizer (windows, machine topology)."""
+    if hasattr(opt, "free"):
+        opt.free()
+    if strategy == "hier-atc":
+        gossamer.set_machine_topology(None)
+
+
+def _tx_bytes(interface: str) -> int:
+    # `ip netns exec` remounts /sys, so this is the namespace's own interface.
+    return int(Path(f"/sys/class/net/{interface}/statistics/tx_bytes").read_text())
+
+
+def measure(model_name: str, strategy: str, args: argparse.Namespace) -> dict:
+    """One measurement of ``strategy`` on ``model_name``; the same dict on every rank."""
+    build, inputs = MODELS[model_name]
+    torch.manual_seed(0)
+    model = build()
+    net, opt = wrap(strategy, model, torch.optim.SGD(model.parameters(), lr=0.01))
+    x = inputs(args.batch)
+    y = torch.randint(0, 10, (args.batch,))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()
+    gossamer.barrier()
+    # One reader per host: every rank of a host shares its link.
+    reader = gossamer.local_rank() == 0
+    tx0 = _tx_bytes(args.interface) if reader else 0
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()
+    elapsed = time.perf_counter() - start
+    gossamer.barrier()
+    tx = _tx_bytes(args.interface) - tx0 if reader else 0
+    release(strategy, opt)
+    # The job is as fast as its slowest rank; bytes are summed over hosts.
+    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    total_tx = gossamer.allreduce(torch.tensor([float(tx)], dtype=torch.float64), average=False)
+    step_s = float(slowest) / args.steps
+    return {
+        "model": model_name,
+        "strategy": strategy,
+        "params_bytes": param_bytes(model),
+        "batch": args.batch,
+        "ranks": gossamer.size(),
+        "step_s": step_s,
+        "samples_per_s": gossamer.size() * args.batch / step_s,
+        "tx_bytes_per_step_per_rank": float(total_tx) / args.steps / gossamer.size(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure every (model, strategy) ``reps`` times and write the rows to ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", default="mlp")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--interface", default="eth0")
+    parser.add_argument("--meta", default="{}", help="JSON merged into every row")
+    args = parser.parse_args(argv)
+    gossamer.init()
+    torch.set_num_threads(1)
+    meta = json.loads(args.meta)
+    strategies = [s for s in args.strategies.split(",") if s]
+    rows = []
+    for model_name in args.models.split(","):
+        for rep in range(args.reps):
+            shift = rep % len(strategies)
+            for strategy in strategies[shift:] + strategies[:shift]:
+                row = measure(model_name, strategy, args)
+                row.update(meta, rep=rep)
+                rows.append(row)
+                if gossamer.rank() == 0:
+                    print(
+                        f"netbench: {model_name} {strategy} rep {rep}: "
+                        f"{row['samples_per_s']:.1f} samples/s, "
+                        f"{row['tx_bytes_per_step_per_rank'] / 1e6:.2f} MB/step/rank",
+                        flush=True,
+                    )
+    if gossamer.rank() == 0:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    gossamer.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""The pure parts of the emulated-cluster benchmark: rates, host plan, cost model, report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# The benchmarks package lives beside src/, not inside the installed distribution.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.netbench import report
+from benchmarks.netbench.__main__ import main
+from benchmarks.netbench.cluster import (
+    format_rate,
+    parse_rate,
+    parse_rates,
+    plan_hosts,
+    preflight,
+    tbf_args,
+)
+
+M = 20e6  # model bytes
+
+
+@pytest.mark.parametrize(
+    ("text", "bits"),
+    [
+        ("10gbit", 10**10),
+        ("1gbit", 10**9),
+        ("100mbit", 10**8),
+        ("1.5Gbit", 1_500_000_000),
+        ("500kbit", 500_000),
+        ("1mbps", 8 * 10**6),
+        ("unshaped", None),
+        (" none ", None),
+    ],
+)
+def test_parse_rate(text, bits):
+    assert parse_rate(text) == bits
+
+
+@pytest.mark.parametrize("text", ["", "fast", "10 gigabit", "0mbit", "-1gbit", "1xbit"])
+def test_parse_rate_rejects(text):
+    with pytest.raises(ValueError):
+        parse_rate(text)
+
+
+def test_parse_rates_keeps_order_and_drops_duplicates():
+    assert parse_rates("unshaped,1gbit,100mbit,1000mbit,") == [None, 10**9, 10**8]
+    with pytest.raises(ValueError, match="no rates"):
+        parse_rates(" , ")
+
+
+@pytest.mark.parametrize("bits", [None, 10**10, 10**9, 10**8, 1_500_000_000, 64_000])
+def test_format_rate_round_trips(bits):
+    assert parse_rate(format_rate(bits)) == bits
+
+
+def test_tbf_burst_holds_a_gso_segment_and_scales_with_rate():
+    slow, fast = tbf_args(10**8), tbf_args(10**10)
+    assert slow[:3] == ["tbf", "rate", "100000000bit"]
+    assert int(slow[slow.index("burst") + 1]) >= 65536
+    assert int(fast[fast.index("burst") + 1]) == 10**10 // 8 // 200
+
+
+def test_plan_hosts_node_rank_order():
+    hosts = plan_hosts(3, 2, "p")
+    assert [h.namespace for h in hosts] == ["p-h0", "p-h1", "p-h2"]
+    assert [h.address for h in hosts] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
+    assert [h.ranks for h in hosts] == [(0, 1), (2, 3), (4, 5)]
+    assert {h.interface for h in hosts} == {"eth0"}
+    assert len({h.switch_port for h in hosts}) == 3
+    for bad in [(0, 1), (2, 0), (251, 1)]:
+        with pytest.raises(ValueError):
+            plan_hosts(*bad, "p")
+
+
+def test_cost_model_matches_design_formulas():
+    # One rank per host: DESIGN.md section 6 with L = 0.
+    assert report.host_egress_bytes("ddp", M, 4, 1) == pytest.approx(1.5 * M)
+    assert report.host_egress_bytes("gradient-allreduce", M, 8, 1) == pytest.approx(1.75 * M)
+    assert report.host_egress_bytes("atc/exp2", M, 4, 1) == pytest.approx(2 * M)
+    assert report.host_egress_bytes("win-put", M, 8, 1) == pytest.approx(3 * M)
+    assert report.host_egress_bytes("atc/one-peer", M, 4, 1) == pytest.approx(M)
+    assert report.host_egress_bytes("compute", M, 4, 1) == 0
+    assert report.host_egress_bytes("ddp", M, 2, 2) == 0  # one host: nothing leaves it
+    assert report.comm_seconds("atc/one-peer", M, 4, 1, 10**8) == pytest.approx(M / 12.5e6)
+    assert report.comm_seconds("ddp", M, 4, 1, None) is None
+    with pytest.raises(ValueError):
+        report.host_egress_bytes("nope", M, 4, 1)
+
+
+def test_cost_model_two_ranks_per_host():
+    # Ranks 0,1 | 2,3: exp-2 offsets 1 and 2; rank 0's +1 stays home, the other three leave.
+    assert report.host_egress_bytes("atc/exp2", M, 4, 2) == pytest.approx(3 * M)
+    # One-peer: offset 1 sends one rank's model off-host, offset 2 both: mean 1.5 M.
+    assert report.host_egress_bytes("atc/one-peer", M, 4, 2) == pytest.approx(1.5 * M)
+    assert report.host_egress_bytes("hier-atc", M, 8, 2) == pytest.approx(2 * M)
+    assert report.host_egress_bytes("ddp", M, 4, 2) == pytest.approx(1.5 * M)
+
+
+def test_ceiling_is_the_slower_of_compute_and_comm():
+    comm = report.comm_seconds("ddp", M, 4, 1, 10**9)
+    assert report.ceiling_samples_per_s("ddp", M, 4, 1, 10**9, 32, 0.01) == pytest.approx(
+        4 * 32 / comm
+    )
+    assert report.ceiling_samples_per_s("ddp", M, 4, 1, 10**12, 32, 0.5) == pytest.approx(256)
+    assert report.ceiling_samples_per_s("ddp", M, 4, 1, None, 32, 0.5) is None
+
+
+def _row(strategy, rep, samples, step, tx, rate=10**9, model="mlp", per_host=1):
+    return {
+        "rate": rate, "model": model, "hosts": 4, "ranks_per_host": per_host,
+        "strategy": strategy, "rep": rep, "ranks": 4 * per_host, "batch": 32,
+        "params_bytes": M, "samples_per_s": samples, "step_s": step,
+        "tx_bytes_per_step_per_rank": tx,
+    }  # fmt: skip
+
+
+ROWS = [
+    _row("compute", 0, 1000, 0.1, 0),
+    _row("compute", 1, 1200, 0.12, 0),
+    _row("compute", 2, 1100, 0.11, 0),
+    _row("ddp", 0, 100, 0.4, 30e6),
+    _row("ddp", 1, 90, 0.5, 30e6),
+    _row("ddp", 2, 110, 0.35, 30e6),
+    _row("atc/one-peer", 0, 200, 0.3, 20e6),
+    _row("atc/one-peer", 1, 180, 0.31, 20e6),
+    _row("atc/one-peer", 2, 220, 0.29, 20e6),
+    _row("gradient-allreduce", 0, 90, 0.45, 31e6, rate=10**8),
+]
+
+
+def test_aggregate_medians_ratios_and_utilisation():
+    agg = {(r["rate"], r["strategy"]): r for r in report.aggregate(ROWS)}
+    ddp = agg[(10**9, "ddp")]
+    assert (ddp["samples_per_s"], ddp["samples_min"], ddp["samples_max"]) == (100, 90, 110)
+    assert ddp["reps"] == 3 and ddp["step_s"] == 0.4
+    assert ddp["comm_s"] == pytest.approx(0.4 - 0.11)
+    assert ddp["utilisation"] == pytest.approx(30e6 / (125e6 * 0.29))
+    assert agg[(10**9, "atc/one-peer")]["vs_ddp"] == pytest.approx(2.0)
+    assert agg[(10**9, "compute")]["vs_ddp"] is None
+    # Another rate is another group: no DDP and no compute baseline there.
+    lonely = agg[(10**8, "gradient-allreduce")]
+    assert lonely["vs_ddp"] is None and lonely["utilisation"] is None
+    assert lonely["ceiling"] is None
+
+
+def test_table_and_targets():
+    agg = report.aggregate(ROWS)
+    table = report.markdown_table(agg)
+    assert table.count("\n") == len(agg) + 1
+    assert "| 1gbit | mlp | 4x1 | ddp | 100.0 [90.0-110.0] | 400.0 | 30.00 |" in table
+    lines = report.targets(agg)
+    assert "1gbit mlp 4x1: atc/one-peer 2.00x DDP (target >= 1.5): met" in lines
+    assert any(line.startswith("1gbit mlp 4x1: ddp link utilisation") for line in lines)
+
+
+def test_plot_writes_a_png(tmp_path):
+    rows = [*ROWS, _row("ddp", 0, 50, 0.8, 30e6, rate=10**8)]
+    report.plot(report.aggregate(rows), "mlp", tmp_path / "mlp.png")
+    assert (tmp_path / "mlp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _accuracy_row(strategy, reached, final, step_s=0.1):
+    curve = [(10, 1.0, 0.5), (20, 2.0, final)]
+    return {
+        "strategy": strategy, "rate": 10**8, "hosts": 4, "ranks_per_host": 1, "target": 0.95,
+        "params_bytes": 1e6, "batch": 16, "steps": 20, "step_s": step_s, "curve": curve,
+        "steps_to_target": 20 if reached else None, "time_to_target_s": reached,
+        "final_accuracy": final,
+    }  # fmt: skip
+
+
+def test_time_to_accuracy_table_and_targets(tmp_path):
+    rows = [
+        _accuracy_row("ddp", 30.0, 0.97),
+        _accuracy_row("atc/one-peer", 15.0, 0.965),
+        _accuracy_row("atc/exp2", None, 0.90),
+    ]
+    table = report.accuracy_table(rows)
+    assert "| 100mbit | 4x1 | atc/one-peer | 100.0 | 20 | 15.0 | 2.00 | 96.50% |" in table
+    assert "| 100mbit | 4x1 | atc/exp2 | 100.0 | - | - | - | 90.00% |" in table
+    met, accuracy = report.accuracy_targets(rows)
+    assert met.startswith("best decentralized (atc/one-peer) reaches 95% 2.00x") and "met" in met
+    assert "0.50 points below" in accuracy and accuracy.endswith("met")
+    slow = [rows[0], _accuracy_row("atc/one-peer", 25.0, 0.95)]
+    met, accuracy = report.accuracy_targets(slow)
+    assert met.endswith("MISSED") and accuracy.endswith("MISSED")
+    assert "missed the target" in report.accuracy_targets([rows[0], rows[2]])[0]
+    report.plot_accuracy(rows, tmp_path / "accuracy.png")
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
+
+
+def test_cli_without_root_says_why(monkeypatch, capsys):
+    monkeypatch.setattr("benchmarks.netbench.__main__.preflight", lambda: "needs root (test)")
+    assert main(["--preset", "smoke", "--out", "unused"]) == 1
+    assert "needs root (test)" in capsys.readouterr().err
+
+
+def test_preflight_reports_missing_tools(monkeypatch):
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    monkeypatch.setattr("shutil.which", lambda tool: None)
+    assert "iproute2" in preflight()
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert "root" in preflight()
+
+
+def _launch_plan(argv, tmp_path, monkeypatch):
+    from gossamer.launcher import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.py").write_text("")
+    ours, cmd = cli._split(argv)
+    return cli._plan(cli.build_parser().parse_args(ours), cmd)
+
+
+def test_launcher_node_rank_uses_static_rendezvous(tmp_path, monkeypatch):
+    argv = ["run", "--nnodes", "4", "--node-rank", "2", "--nproc-per-node", "2",
+            "--rdzv-endpoint", "10.77.0.1:29511", "a.py", "--x"]  # fmt: skip
+    assert _launch_plan(argv, tmp_path, monkeypatch)["torchrun"] == [
+        "--nnodes=4",
+        "--rdzv-backend=static",
+        "--master-addr=10.77.0.1",
+        "--master-port=29511",
+        "--node-rank=2",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        "a.py",
+        "--x",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--node-rank", "4", "--rdzv-endpoint", "h:1"], "0..3"),
+        (["--node-rank", "-1", "--rdzv-endpoint", "h:1"], "0..3"),
+        (["--node-rank", "1", "--rdzv-endpoint", "h"], "host:port"),
+    ],
+)
+def test_launcher_node_rank_errors(tmp_path, monkeypatch, extra, message):
+    argv = ["run", "--nnodes", "4", "--nproc-per-node", "1", *extra, "a.py"]
+    with pytest.raises(ValueError, match=message):
+        _launch_plan(argv, tmp_path, monkeypatch)
