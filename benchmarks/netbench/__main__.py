@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("batch", "warmup", "steps", "reps", "accuracy-steps"):
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--accuracy-rate", help="the rate of the time-to-accuracy run")
+    parser.add_argument("--accuracy-strategies", help="comma-separated, default: all")
     parser.add_argument("--out", default="results/netbench")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per job")
     return parser
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"netbench: time to accuracy at {format_rate(rate)} "
                       f"({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
                 worker = ["--steps", str(cfg["accuracy_steps"])]
+                if args.accuracy_strategies:
+                    worker += ["--strategies", args.accuracy_strategies]
                 accuracy = run_job(cluster, layouts[0], worker, out, timeout=args.timeout,
                                    module="benchmarks.netbench.accuracy")  # fmt: skip
                 (out / "accuracy.json").write_text(json.dumps(accuracy, indent=1) + "\n")

@@ -110,3 +110,33 @@ def test_place_fills_hosts_in_order():
 def test_local_hosts():
     assert is_local_host("localhost") and is_local_host("127.0.0.2")
     assert not is_local_host("node-that-is-elsewhere")
+
+
+def test_launcher_node_rank_uses_static_rendezvous():
+    argv = ["run", "--nnodes", "4", "--node-rank", "2", "--nproc-per-node", "2",
+            "--rdzv-endpoint", "10.77.0.1:29511", "a.py", "--x"]  # fmt: skip
+    assert _plan(argv)["torchrun"] == [
+        "--nnodes=4",
+        "--rdzv-backend=static",
+        "--master-addr=10.77.0.1",
+        "--master-port=29511",
+        "--node-rank=2",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        "a.py",
+        "--x",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--node-rank", "4", "--rdzv-endpoint", "h:1"], "0..3"),
+        (["--node-rank", "-1", "--rdzv-endpoint", "h:1"], "0..3"),
+        (["--node-rank", "1", "--rdzv-endpoint", "h"], "host:port"),
+    ],
+)
+def test_launcher_node_rank_errors(extra, message):
+    argv = ["run", "--nnodes", "4", "--nproc-per-node", "1", *extra, "a.py"]
+    with pytest.raises(ValueError, match=message):
+        _plan(argv)
