@@ -31,9 +31,10 @@ Newton's method for logistic regression, both on all-reduced sums). Then each me
 
 The update equations are written out below with gossamer's operations
 (``neighbor_allreduce``, ``allreduce``, ``Window``), as BlueFog's ``pytorch_optimization.py``
-does. Rank 0 prints the relative distance to the optimum,
-``sqrt((1/n) sum_i ||x_i - x*||^2) / ||x*||``, every ``--print-every`` iterations, one column
-per method, and writes ``<out>/decentralized_optimization_<problem>.png``.
+does. Rank 0 shows a progress bar over the methods, then prints the relative distance to
+the optimum, ``sqrt((1/n) sum_i ||x_i - x*||^2) / ||x*||``, every ``--print-every``
+iterations, one column per method, and writes
+``<out>/decentralized_optimization_<problem>.png``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import gossamer
 from gossamer import topology as topo
@@ -229,7 +231,9 @@ def main() -> None:
     chosen = METHODS if args.method == "all" else (args.method,)
     methods.update({name: globals()[name] for name in chosen})
     histories, seconds = {}, {}
-    for name, method in methods.items():
+    bar = tqdm(methods.items(), desc="methods", disable=rank != 0, leave=False)
+    for name, method in bar:
+        bar.set_postfix_str(name)
         local = []  # this rank's squared distance per iteration; averaged once at the end
 
         def record(x, local=local):

@@ -60,6 +60,8 @@ def _entry(module: str, name: str, obj) -> list[str]:
             first = _doc(func).splitlines()[0]
             lines += [f"- **`{member}{_signature(func)}`**: {first}"]
         return [*lines, ""]
+    if inspect.ismodule(obj):  # its repr holds a path, which differs per checkout
+        return [f"### module `{obj.__name__}`", "", _doc(obj).splitlines()[0], ""]
     if callable(obj):
         return [f"### `{name}{_signature(obj)}`", "", _doc(obj), ""]
     return [f"### `{name}`", "", f"`{obj!r}`", ""]
