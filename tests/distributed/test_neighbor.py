@@ -431,3 +431,40 @@ def test_neighbor_allreduce_on_a_subgroup():
     got = run_distributed(_group_ranks, 4)
     assert got[0] is None and got[2] is None
     assert got[1].item() == got[3].item() == 2.0
+
+
+# Sizes around the chunking of large messages (256 KiB pieces, at most 32 per message):
+# one piece, a few uneven pieces, and more data than 32 pieces of 256 KiB.
+LARGE = [(65_536,), (300_001,), (513, 6_000)]
+
+
+def _large(shape):
+    x = data(gossamer.rank(), shape=shape)
+    y = gossamer.neighbor_allreduce(x, topology=topo.exponential_two(gossamer.size()))
+    first = 1000 * (gossamer.rank() + 1)  # ragged: every sender's message differs in size
+    gathered = gossamer.neighbor_allgather(data(gossamer.rank(), shape=(first, 70)))
+    return y, gathered
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("shape", LARGE)
+def test_large_messages_travel_in_chunks_and_arrive_whole(world_size, shape):
+    graph = topo.exponential_two(world_size)
+    got = run_distributed(_large, world_size, args=(shape,))
+    expected = mix(graph.weights, [data(r, shape=shape) for r in range(world_size)])
+    assert_all_close([y for y, _ in got], expected, torch.float32)
+    for r, (_, gathered) in enumerate(got):
+        srcs = graph.in_neighbors(r)
+        assert torch.equal(gathered, torch.cat([data(s, shape=(1000 * (s + 1), 70)) for s in srcs]))
+
+
+def _large_mismatch():
+    x = torch.zeros(400_000 if gossamer.rank() != 1 else 500_000)
+    with pytest.raises(PeerError) as info:
+        gossamer.neighbor_allreduce(x, topology=topo.fully_connected(gossamer.size()))
+    return str(info.value)
+
+
+def test_large_mismatched_shapes_raise_not_abort():
+    for message in run_distributed(_large_mismatch, 3):
+        assert "float32[400000]" in message and "float32[500000]" in message
