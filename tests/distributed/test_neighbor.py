@@ -433,9 +433,11 @@ def test_neighbor_allreduce_on_a_subgroup():
     assert got[1].item() == got[3].item() == 2.0
 
 
-# Sizes around the chunking of large messages (256 KiB pieces, at most 32 per message):
-# one piece, a few uneven pieces, and more data than 32 pieces of 256 KiB.
+# Sizes around the chunking of messages between machines (256 KiB pieces, at most 32 per
+# message): one piece, a few uneven pieces, and more data than 32 pieces of 256 KiB. With
+# one rank per (fake) machine every exchange is chunked; on one machine none is.
 LARGE = [(65_536,), (300_001,), (513, 6_000)]
+MACHINES = {"one machine": None, "a machine per rank": {"GOSSAMER_NODES_PER_MACHINE": "1"}}
 
 
 def _large(shape):
@@ -448,9 +450,10 @@ def _large(shape):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("shape", LARGE)
-def test_large_messages_travel_in_chunks_and_arrive_whole(world_size, shape):
+@pytest.mark.parametrize("machines", sorted(MACHINES))
+def test_large_messages_travel_in_chunks_and_arrive_whole(world_size, shape, machines):
     graph = topo.exponential_two(world_size)
-    got = run_distributed(_large, world_size, args=(shape,))
+    got = run_distributed(_large, world_size, args=(shape,), env=MACHINES[machines])
     expected = mix(graph.weights, [data(r, shape=shape) for r in range(world_size)])
     assert_all_close([y for y, _ in got], expected, torch.float32)
     for r, (_, gathered) in enumerate(got):
@@ -465,6 +468,7 @@ def _large_mismatch():
     return str(info.value)
 
 
-def test_large_mismatched_shapes_raise_not_abort():
-    for message in run_distributed(_large_mismatch, 3):
+@pytest.mark.parametrize("machines", sorted(MACHINES))
+def test_large_mismatched_shapes_raise_not_abort(machines):
+    for message in run_distributed(_large_mismatch, 3, env=MACHINES[machines]):
         assert "float32[400000]" in message and "float32[500000]" in message

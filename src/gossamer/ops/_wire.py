@@ -34,10 +34,11 @@ _HEADER_LEN = 16
 _MAX_DIMS = 10  # header slots for dims; further dims are folded into one product
 _HEADER_TAG = 0x6F01
 _DATA_TAG = 0x6F02  # data chunks use 0x6F02 .. 0x6F02 + _MAX_CHUNKS - 1
-# Large CPU messages travel as several chunks in flight per peer. Measured on emulated
-# 100 Mbit links (benchmarks/netbench, 4 hosts): a 1.2 MB exchange alternating between
-# peers took 150 ms per call as one gloo message and 110 ms as 4 or 16 chunks (wire time
-# 96 ms); one message is slow where two ranks send to each other over one connection.
+# Large CPU messages between machines travel as several chunks in flight per peer.
+# Measured on emulated 100 Mbit links (benchmarks/netbench, 4 hosts): a 1.2 MB exchange
+# alternating between peers took 150 ms per call as one gloo message and 110 ms as 4 or 16
+# chunks (wire time 96 ms). On one machine (bench_ops, loopback) chunks made 1e6-element
+# exchanges about 30 % slower, so messages between ranks of one machine stay whole.
 _CHUNK_BYTES = 256 * 2**10
 _MAX_CHUNKS = 32
 
@@ -149,12 +150,14 @@ def wait_works(op: str, works: Iterable[tuple[int, dist.Work]]) -> None:
             raise PeerError(f"{op}: communication with {who} failed: {text}") from err
 
 
-def _chunks(tensor: torch.Tensor) -> list[torch.Tensor]:
+def _chunks(tensor: torch.Tensor, remote: bool) -> list[torch.Tensor]:
     """``tensor`` as consecutive pieces of about ``_CHUNK_BYTES`` (views where it can be).
 
-    Both sides split by element count alone, so a sender's pieces match the receiver's.
+    Only messages to or from another machine are split: on one machine the pieces cost
+    more than they gain. Both sides split by element count and by machine alone, so a
+    sender's pieces match its receiver's.
     """
-    if tensor.device.type != "cpu" or tensor.nbytes <= _CHUNK_BYTES:
+    if not remote or tensor.device.type != "cpu" or tensor.nbytes <= _CHUNK_BYTES:
         return [tensor]  # NCCL coalesces a batch itself
     pieces = min(_MAX_CHUNKS, math.ceil(tensor.nbytes / _CHUNK_BYTES))
     return list(tensor.reshape(-1).tensor_split(pieces))
@@ -168,8 +171,14 @@ def _p2p(
     tag: int,
 ) -> None:
     """Post every send and receive at once, in chunks with tags ``tag``, ``tag + 1``, ..."""
-    posts = [(dist.isend, p, c) for p, t in sends for c in _chunks(t)]
-    posts += [(dist.irecv, p, c) for p, t in recvs for c in _chunks(t)]
+    layout = context.layout()
+
+    def pieces(peer: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        remote = layout.machine_of[_global(group, peer)] != layout.machine_rank
+        return _chunks(tensor, remote)
+
+    posts = [(dist.isend, p, c) for p, t in sends for c in pieces(p, t)]
+    posts += [(dist.irecv, p, c) for p, t in recvs for c in pieces(p, t)]
     if not posts:
         return
     ops, index = [], {}
