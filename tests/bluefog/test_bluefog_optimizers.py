@@ -1,8 +1,9 @@
 """bf.Distributed*Optimizer on the core optimizers: convergence, knobs, methods, utilities."""
 
+import sys
 import warnings
+from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -13,30 +14,11 @@ from gossamer import optim
 from gossamer import topology as topo
 from gossamer.testing import run_distributed
 
-D, M = 5, 50
+# The least-squares problem of the core optimizer tests (ranks import it through here too).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "algorithms"))
+from problems import D, least_squares_data, least_squares_optimum, linear_model
+
 HIER = {"GOSSAMER_NODES_PER_MACHINE": "2"}
-
-
-# The small least-squares problem of tests/algorithms/problems.py.
-def least_squares_data(rank):
-    g = np.random.default_rng(rank)
-    A = g.normal(size=(M, D))
-    b = A @ np.linspace(-1, 1, D) + 0.5 * g.normal(size=M)
-    return torch.tensor(A), torch.tensor(b)
-
-
-def least_squares_optimum(world_size):
-    parts = [least_squares_data(r) for r in range(world_size)]
-    A = torch.cat([a for a, _ in parts]).numpy()
-    b = torch.cat([b for _, b in parts]).numpy()
-    return torch.tensor(np.linalg.lstsq(A, b, rcond=None)[0])
-
-
-def linear_model():
-    torch.manual_seed(0)
-    model = nn.Linear(D, 1, bias=False).double()
-    nn.init.zeros_(model.weight)
-    return model
 
 
 def _loss(model, A, b):

@@ -451,55 +451,43 @@ class DistributedWinPutOptimizer(_BlueFogOptimizer, WindowPut):
         self.free()
 
 
-def _deprecated(old: str, kind: CommunicationType) -> None:
-    warnings.warn(
-        f"{old} will be deprecated; use DistributedAdaptWithCombineOptimizer(optimizer, model, "
-        f"communication_type=CommunicationType.{kind.name}) instead.",
-        PendingDeprecationWarning,
-        stacklevel=3,
-    )
+class _DeprecatedAdaptWithCombine(DistributedAdaptWithCombineOptimizer):
+    """BlueFog's old optimizer names: AWC with a fixed communication, and a warning."""
+
+    _kind: CommunicationType
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Sequence[nn.Module],
+        num_steps_per_communication: int = 1,
+    ) -> None:
+        warnings.warn(
+            f"{type(self).__name__} will be deprecated; use DistributedAdaptWithCombineOptimizer"
+            f"(optimizer, model, communication_type=CommunicationType.{self._kind.name}) "
+            "instead.",
+            PendingDeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(optimizer, model, self._kind, num_steps_per_communication)
 
 
-class DistributedAllreduceOptimizer(DistributedAdaptWithCombineOptimizer):
+class DistributedAllreduceOptimizer(_DeprecatedAdaptWithCombine):
     """Deprecated: AWC with :attr:`CommunicationType.allreduce`."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        model: nn.Module | Sequence[nn.Module],
-        num_steps_per_communication: int = 1,
-    ) -> None:
-        _deprecated(type(self).__name__, CommunicationType.allreduce)
-        super().__init__(optimizer, model, CommunicationType.allreduce, num_steps_per_communication)
+    _kind = CommunicationType.allreduce
 
 
-class DistributedNeighborAllreduceOptimizer(DistributedAdaptWithCombineOptimizer):
+class DistributedNeighborAllreduceOptimizer(_DeprecatedAdaptWithCombine):
     """Deprecated: AWC with :attr:`CommunicationType.neighbor_allreduce`."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        model: nn.Module | Sequence[nn.Module],
-        num_steps_per_communication: int = 1,
-    ) -> None:
-        _deprecated(type(self).__name__, CommunicationType.neighbor_allreduce)
-        super().__init__(
-            optimizer, model, CommunicationType.neighbor_allreduce, num_steps_per_communication
-        )
+    _kind = CommunicationType.neighbor_allreduce
 
 
-class DistributedHierarchicalNeighborAllreduceOptimizer(DistributedAdaptWithCombineOptimizer):
+class DistributedHierarchicalNeighborAllreduceOptimizer(_DeprecatedAdaptWithCombine):
     """Deprecated: AWC with :attr:`CommunicationType.hierarchical_neighbor_allreduce`."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        model: nn.Module | Sequence[nn.Module],
-        num_steps_per_communication: int = 1,
-    ) -> None:
-        kind = CommunicationType.hierarchical_neighbor_allreduce
-        _deprecated(type(self).__name__, kind)
-        super().__init__(optimizer, model, kind, num_steps_per_communication)
+    _kind = CommunicationType.hierarchical_neighbor_allreduce
 
 
 # ---------------------------------------------------------------------- utilities
