@@ -11,9 +11,11 @@ from __future__ import annotations
 import atexit
 import logging
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ from gossamer.errors import NotInitializedError
 
 __all__ = [
     "Layout",
+    "Runtime",
     "backend",
     "device",
     "host_group",
@@ -36,12 +39,14 @@ __all__ = [
     "machine_size",
     "on_shutdown",
     "rank",
+    "runtime",
     "shutdown",
     "size",
     "timeout",
 ]
 
 logger = logging.getLogger("gossamer")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -87,22 +92,70 @@ class Layout:
         return self.size % per == 0 and all(m == r // per for r, m in enumerate(self.machine_of))
 
 
-@dataclass(frozen=True)
-class _State:
-    layout: Layout
-    backend: str
-    device: torch.device
-    host_group: dist.ProcessGroup
-    timeout: float
-    owns_process_group: bool
+class Runtime:
+    """Everything gossamer holds for one process between :func:`init` and :func:`shutdown`.
+
+    The fixed facts of the job (layout, backend, device, host group, timeout), the default
+    topologies, and the *components* that higher layers start on first use (the
+    communication engine, the window service, the BlueFog facade's tables). ``shutdown()``
+    closes the components in reverse order of creation and drops this one object, so
+    recovery rebuilds exactly one thing.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        backend: str,
+        device: torch.device,
+        host_group: dist.ProcessGroup,
+        timeout: float,
+        owns_process_group: bool,
+    ) -> None:
+        self.layout = layout
+        self.backend = backend
+        self.device = device
+        self.host_group = host_group
+        self.timeout = timeout
+        self.owns_process_group = owns_process_group
+        # Default topologies, keyed by group ("world" for the whole world): ops read them.
+        self.topologies: dict[object, Any] = {}
+        self.machine_topology: Any = None
+        self._components: dict[str, Any] = {}
+        self._lock = threading.RLock()  # a factory may start another component
+
+    def component(self, name: str, factory: Callable[[], T]) -> T:
+        """The component ``name``, created with ``factory()`` on first use.
+
+        A component with a ``close()`` method is closed at :func:`shutdown`.
+        """
+        with self._lock:
+            found = self._components.get(name)
+            if found is None:
+                found = self._components[name] = factory()
+            return found
+
+    def find(self, name: str) -> Any:
+        """The component ``name`` if it was created, else None (never creates it)."""
+        return self._components.get(name)
+
+    def close(self) -> None:
+        """Close every component, newest first; a failing close does not stop the others."""
+        for name in reversed(list(self._components)):
+            closer = getattr(self._components[name], "close", None)
+            if closer is not None:
+                try:
+                    closer()
+                except Exception:
+                    logger.exception("closing %s at shutdown failed", name)
+        self._components.clear()
 
 
-_state: _State | None = None
+_state: Runtime | None = None
 _shutdown_hooks: list[Callable[[], None]] = []
 
 
 def on_shutdown(hook: Callable[[], None]) -> None:
-    """Register ``hook`` to run at every :func:`shutdown` (higher layers drop their state)."""
+    """Register ``hook`` to run at every :func:`shutdown`, before the runtime closes."""
     if hook not in _shutdown_hooks:
         _shutdown_hooks.append(hook)
 
@@ -215,7 +268,7 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> None:
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
-    _state = _State(
+    _state = Runtime(
         layout=found,
         backend=resolved,
         device=dev,
@@ -235,6 +288,7 @@ def shutdown() -> None:
     if _state is not None:
         for hook in reversed(_shutdown_hooks):
             hook()
+        _state.close()
     state, _state = _state, None
     if state is not None and state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -248,7 +302,16 @@ def is_initialized() -> bool:
     return _state is not None
 
 
-def _require() -> _State:
+def runtime() -> Runtime:
+    """The runtime of this process.
+
+    Raises:
+        NotInitializedError: before :func:`init` or after :func:`shutdown`.
+    """
+    return _require()
+
+
+def _require() -> Runtime:
     if _state is None:
         raise NotInitializedError("gossamer is not initialized; call gossamer.init() first")
     return _state

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import gossamer
-from gossamer import context
+from gossamer.bluefog._state import state
 from gossamer.bluefog.topology_util import ExponentialGraph, IsTopologyEquivalent
 from gossamer.errors import NotInitializedError
 from gossamer.topology import Topology, uniform_weights
@@ -68,18 +68,6 @@ class _View:
     core: Topology
 
 
-_views: dict[str, _View] = {}  # "world" and "machine"
-_flags = {"skip_negotiate_stage": False}
-
-
-def _reset() -> None:
-    _views.clear()
-    _flags["skip_negotiate_stage"] = False
-
-
-context.on_shutdown(_reset)
-
-
 def _translated(graph: nx.DiGraph, is_weighted: bool) -> Topology:
     """The core topology BlueFog's default averaging over ``graph`` amounts to."""
     if is_weighted:
@@ -89,8 +77,10 @@ def _translated(graph: nx.DiGraph, is_weighted: bool) -> Topology:
 
 def _view(kind: str) -> _View | None:
     """The facade's view, if the core default still is what the facade set."""
-    view = _views.get(kind)
-    if view is None or not gossamer.is_initialized():
+    if not gossamer.is_initialized():
+        return None
+    view = state().views.get(kind)
+    if view is None:
         return None
     core = gossamer.get_topology() if kind == "world" else gossamer.get_machine_topology()
     return view if core == view.core else None
@@ -228,7 +218,7 @@ def set_topology(topology: nx.DiGraph | None = None, is_weighted: bool = False) 
         return False
     core = _translated(graph, bool(is_weighted))
     gossamer.set_topology(core)
-    _views["world"] = _View(graph, bool(is_weighted), core)
+    state().views["world"] = _View(graph, bool(is_weighted), core)
     return True
 
 
@@ -289,7 +279,7 @@ def set_machine_topology(topology: nx.DiGraph, is_weighted: bool = False) -> boo
         return False
     core = _translated(graph, bool(is_weighted))
     gossamer.set_machine_topology(core)
-    _views["machine"] = _View(graph, bool(is_weighted), core)
+    state().views["machine"] = _View(graph, bool(is_weighted), core)
     return True
 
 
@@ -323,12 +313,12 @@ def nccl_built() -> bool:
 
 def set_skip_negotiate_stage(value: bool) -> None:
     """Store the flag; gossamer has no negotiation stage, so it changes nothing."""
-    _flags["skip_negotiate_stage"] = bool(value)
+    state().skip_negotiate_stage = bool(value)
 
 
 def get_skip_negotiate_stage() -> bool:
     """The flag stored by :func:`set_skip_negotiate_stage`."""
-    return _flags["skip_negotiate_stage"]
+    return state().skip_negotiate_stage
 
 
 def suspend() -> None:

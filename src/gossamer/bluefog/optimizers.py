@@ -48,7 +48,6 @@ from gossamer import context
 from gossamer import optim as core
 from gossamer.bluefog._compat import plain_weights
 from gossamer.bluefog.neighbor import _hierarchical, _neighbor_allreduce
-from gossamer.ops.handle import Handle
 from gossamer.optim import (
     AdaptThenCombine,
     AdaptWithCombine,
@@ -58,6 +57,7 @@ from gossamer.optim import (
     WindowPut,
 )
 from gossamer.profiling import timeline
+from gossamer.transport import Handle
 from gossamer.windows import Window
 
 __all__ = [

@@ -17,8 +17,8 @@ import torch
 import gossamer
 from gossamer import topology as topo
 from gossamer.bluefog._compat import plain_ranks
-from gossamer.ops._args import check_rank_list
 from gossamer.topology import Topology
+from gossamer.transport import check_rank_list
 
 __all__ = [
     "ExponentialGraph",

@@ -10,16 +10,15 @@ window made here, existing and future.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 from collections.abc import Mapping, Sequence
 
 import torch
 
 import gossamer
-from gossamer import context
 from gossamer.bluefog._compat import check_weight_types, plain_ranks, plain_weights
-from gossamer.ops.handle import Handle
+from gossamer.bluefog._state import state
+from gossamer.transport import Handle
 
 __all__ = [
     "get_current_created_window_names",
@@ -50,24 +49,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_windows: dict[str, gossamer.Window] = {}
-_handles: dict[int, Handle] = {}
-_ids = itertools.count()
-_push_sum = [False]
-
-
-def _reset() -> None:
-    # gossamer's shutdown frees the windows themselves.
-    _windows.clear()
-    _handles.clear()
-    _push_sum[0] = False
-
-
-context.on_shutdown(_reset)
-
 
 def _window(name: str) -> gossamer.Window:
-    window = _windows.get(name)
+    window = state().windows.get(name)
     if window is None:
         raise ValueError(
             f"no window named {name!r}; created windows: {get_current_created_window_names()}"
@@ -88,11 +72,13 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
     Raises:
         TypeError: ``tensor`` is not float32, float64, int32 or int64, or ``name`` not a str.
     """
-    if name in _windows or name in gossamer.live_windows():
+    if name in state().windows or name in gossamer.live_windows():
         logger.warning("win_create: a window named %r already exists", name)
         return False
-    window = gossamer.Window.create(tensor, zero_init=zero_init, name=name, push_sum=_push_sum[0])
-    _windows[name] = window
+    window = gossamer.Window.create(
+        tensor, zero_init=zero_init, name=name, push_sum=state().push_sum
+    )
+    state().windows[name] = window
     return True
 
 
@@ -103,19 +89,20 @@ def win_free(name: str | None = None) -> bool:
         bool: True, or False (with an error logged) when there is no window ``name``.
     """
     if name is None:
-        for each in sorted(_windows):
-            _windows.pop(each).free()
+        windows = state().windows
+        for each in sorted(windows):
+            windows.pop(each).free()
         return True
-    if name not in _windows:
+    if name not in state().windows:
         logger.error("win_free: no window named %r", name)
         return False
-    _windows.pop(name).free()
+    state().windows.pop(name).free()
     return True
 
 
 def get_current_created_window_names() -> list[str]:
     """Names of the windows made by :func:`win_create`, sorted."""
-    return sorted(_windows)
+    return sorted(state().windows)
 
 
 # ---------------------------------------------------------------------- update
@@ -156,8 +143,9 @@ def win_update_then_collect(name: str, require_mutex: bool = True) -> torch.Tens
 
 # ---------------------------------------------------------------------- put, get, accumulate
 def _start(handle: Handle) -> int:
-    hid = next(_ids)
-    _handles[hid] = handle
+    table = state()
+    hid = next(table.window_ids)
+    table.window_handles[hid] = handle
     return hid
 
 
@@ -268,9 +256,9 @@ def win_poll(handle: int) -> bool:
     Raises:
         ValueError: ``handle`` is unknown (or already waited for).
     """
-    if handle not in _handles:
+    if handle not in state().window_handles:
         raise ValueError(f"Cannot find window handle {handle!r} to poll")
-    return _handles[handle].is_completed()
+    return state().window_handles[handle].is_completed()
 
 
 def win_wait(handle: int) -> bool:
@@ -278,10 +266,10 @@ def win_wait(handle: int) -> bool:
 
     An unknown handle logs a warning and returns False. The operation's error is raised.
     """
-    if handle not in _handles:
+    if handle not in state().window_handles:
         logger.warning("win_wait: handle %r is not found (already waited for?)", handle)
         return False
-    _handles.pop(handle).wait()
+    state().window_handles.pop(handle).wait()
     return True
 
 
@@ -310,13 +298,13 @@ def win_associated_p(name: str) -> float:
 
 def turn_on_win_ops_with_associated_p() -> None:
     """Make put, accumulate and update carry ``p`` on every window, existing and new."""
-    _push_sum[0] = True
-    for window in _windows.values():
+    state().push_sum = True
+    for window in state().windows.values():
         window.push_sum = True
 
 
 def turn_off_win_ops_with_associated_p() -> None:
     """Stop carrying ``p`` (the default)."""
-    _push_sum[0] = False
-    for window in _windows.values():
+    state().push_sum = False
+    for window in state().windows.values():
         window.push_sum = False

@@ -20,9 +20,9 @@ from gossamer.ops.defaults import (
     set_machine_topology,
     set_topology,
 )
-from gossamer.ops.handle import Handle
 from gossamer.ops.hierarchical import hierarchical_neighbor_allreduce, local_allreduce, local_group
 from gossamer.ops.neighbor import neighbor_allgather, neighbor_allreduce, pair_gossip
+from gossamer.transport import Handle
 
 __all__ = [
     "Handle",

@@ -10,24 +10,39 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gossamer.ops import _engine, _wire
-from gossamer.ops._args import AVERAGING_DTYPES, check_rank, check_tensor
-from gossamer.ops.defaults import group_rank, group_size
-from gossamer.ops.handle import Handle
-from gossamer.profiling import timeline as _timeline
+from gossamer import transport
+from gossamer.profiling import timeline
+from gossamer.transport import (
+    AVERAGING_DTYPES,
+    DTYPES,
+    Handle,
+    check_rank,
+    check_tensor,
+    group_rank,
+    group_size,
+)
 
-__all__ = ["allgather", "allreduce", "allreduce_", "barrier", "broadcast", "broadcast_"]
+__all__ = [
+    "allgather",
+    "allreduce",
+    "allreduce_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "reduce_into",
+]
 
 _SUM_DTYPES = (*AVERAGING_DTYPES, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-_ANY_DTYPE = _wire.DTYPES
+_ANY_DTYPE = DTYPES
 
 
-def _reduce_into(out: torch.Tensor, average: bool, group: dist.ProcessGroup | None) -> None:
+def reduce_into(out: torch.Tensor, average: bool, group: dist.ProcessGroup | None) -> None:
+    """Sum (or average) ``out`` over ``group`` in place; runs on the communication thread."""
     # Half types are summed in float32: fp16 sums of many ranks overflow and lose bits.
     wide = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
-    with _timeline.record(None, "communicating"):
+    with timeline.record(None, "communicating"):
         work = dist.all_reduce(wide, group=group, async_op=True)
-        _wire.wait_works("allreduce", [(-1, work)])
+        transport.wait_works("allreduce", [(-1, work)])
     if average:
         wide.div_(dist.get_world_size(group))
     if wide is not out:
@@ -53,12 +68,12 @@ def _allreduce(tensor, average, group, async_op, inplace) -> torch.Tensor | Hand
     group_rank(group)
 
     def body() -> torch.Tensor:
-        _wire.check_same_call("allreduce", tensor, group, aux=int(average))
+        transport.check_same_call("allreduce", tensor, group, aux=int(average))
         out = _buffer(tensor, inplace)
-        _reduce_into(out, average, group)
+        reduce_into(out, average, group)
         return _result(tensor, out, inplace)
 
-    return _engine.run("allreduce", body, async_op)
+    return transport.run("allreduce", body, async_op)
 
 
 def allreduce(
@@ -109,14 +124,14 @@ def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
     check_rank(root, "root", group_size(group))
 
     def body() -> torch.Tensor:
-        _wire.check_same_call("broadcast", tensor, group, aux=root)
+        transport.check_same_call("broadcast", tensor, group, aux=root)
         out = _buffer(tensor, inplace)
         global_root = root if group is None else dist.get_global_rank(group, root)
         work = dist.broadcast(out, global_root, group=group, async_op=True)
-        _wire.wait_works("broadcast", [(global_root, work)])
+        transport.wait_works("broadcast", [(global_root, work)])
         return _result(tensor, out, inplace)
 
-    return _engine.run("broadcast", body, async_op)
+    return transport.run("broadcast", body, async_op)
 
 
 def broadcast(
@@ -172,17 +187,17 @@ def allgather(
     group_rank(group)
 
     def body() -> torch.Tensor:
-        shapes = _wire.check_same_call("allgather", tensor, group, any_first_dim=True)
+        shapes = transport.check_same_call("allgather", tensor, group, any_first_dim=True)
         longest = max(s[0] for s in shapes)
         # all_gather needs equal sizes: pad every contribution to the longest first dim.
         padded = tensor.new_zeros((longest, *tensor.shape[1:]))
         padded[: tensor.shape[0]] = tensor
         parts = [torch.empty_like(padded) for _ in shapes]
         work = dist.all_gather(parts, padded, group=group, async_op=True)
-        _wire.wait_works("allgather", [(-1, work)])
+        transport.wait_works("allgather", [(-1, work)])
         return torch.cat([p[: s[0]] for p, s in zip(parts, shapes, strict=True)])
 
-    return _engine.run("allgather", body, async_op)
+    return transport.run("allgather", body, async_op)
 
 
 def barrier(*, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle | None:
@@ -190,6 +205,6 @@ def barrier(*, group: dist.ProcessGroup | None = None, async_op: bool = False) -
     group_rank(group)
 
     def body() -> None:
-        _wire.wait_works("barrier", [(-1, dist.barrier(group=group, async_op=True))])
+        transport.wait_works("barrier", [(-1, dist.barrier(group=group, async_op=True))])
 
-    return _engine.run("barrier", body, async_op)
+    return transport.run("barrier", body, async_op)

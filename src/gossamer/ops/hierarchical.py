@@ -13,24 +13,22 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from gossamer import context
+from gossamer import context, transport
+from gossamer.combine import is_uniform, scaled_copies, weighted_sum
 from gossamer.errors import TopologyError
-from gossamer.ops import _engine, _wire
-from gossamer.ops._args import (
+from gossamer.ops.collectives import allreduce, reduce_into
+from gossamer.ops.defaults import get_machine_topology
+from gossamer.profiling import timeline
+from gossamer.transport import (
     AVERAGING_DTYPES,
+    Handle,
     check_rank_list,
     check_tensor,
     check_weight,
     check_weights,
 )
-from gossamer.ops.collectives import _reduce_into
-from gossamer.ops.defaults import get_machine_topology
-from gossamer.ops.handle import Handle
-from gossamer.ops.neighbor import _combine, _is_uniform, _send_map
 
 __all__ = ["hierarchical_neighbor_allreduce", "local_allreduce", "local_group"]
-
-_local_groups: list[dist.ProcessGroup] = []
 
 
 def local_group() -> dist.ProcessGroup:
@@ -38,20 +36,15 @@ def local_group() -> dist.ProcessGroup:
 
     The first call must be made by every rank, and not while operations are pending.
     """
-    if not _local_groups:
-        layout = context.layout()
-        machines = [list(layout.ranks_on(m)) for m in range(layout.machine_size)]
-        # new_subgroups_by_enumeration is collective: every rank creates every group.
-        mine, _ = dist.new_subgroups_by_enumeration(machines, backend="gloo")
-        _local_groups.append(mine)
-    return _local_groups[0]
+    return context.runtime().component("ops.local_group", _new_local_group)
 
 
-def _drop_groups() -> None:
-    _local_groups.clear()
-
-
-context.on_shutdown(_drop_groups)
+def _new_local_group() -> dist.ProcessGroup:
+    layout = context.layout()
+    machines = [list(layout.ranks_on(m)) for m in range(layout.machine_size)]
+    # new_subgroups_by_enumeration is collective: every rank creates every group.
+    mine, _ = dist.new_subgroups_by_enumeration(machines, backend="gloo")
+    return mine
 
 
 def local_allreduce(
@@ -61,11 +54,11 @@ def local_allreduce(
 
     With ``average`` the sum is divided by ``local_size()``. Out of place.
     """
-    from gossamer.ops.collectives import allreduce
-
-    context.rank()
+    runtime = context.runtime()
     # Creating the group is collective: queue it behind pending operations.
-    group = _local_groups[0] if _local_groups else _engine.run("local_group", local_group, False)
+    group = runtime.find("ops.local_group")
+    if group is None:
+        group = transport.run("local_group", local_group, False)
     return allreduce(tensor, average=average, group=group, async_op=async_op)
 
 
@@ -132,30 +125,31 @@ def hierarchical_neighbor_allreduce(
         sw, weights = graph.recv_weights(me)
         dsts = dict.fromkeys(graph.out_neighbors(me), 1.0)
     sources = sorted(weights)
-    uniform = _is_uniform(sw, weights, sources)
+    uniform = is_uniform(sw, weights, sources)
 
     def body() -> torch.Tensor:
         machine_sum = tensor.contiguous().clone()
-        _reduce_into(machine_sum, False, local_group())
+        reduce_into(machine_sum, False, local_group())
         out = machine_sum
         leader = _leader(me)
         if context.rank() == leader:
-            received = _wire.exchange(
+            received = transport.exchange(
                 op,
                 machine_sum,
-                {_leader(m): t for m, t in _send_map(machine_sum, dsts).items()},
+                {_leader(m): t for m, t in scaled_copies(machine_sum, dsts).items()},
                 [_leader(m) for m in sources],
                 None,
             )
             by_machine = {m: received[_leader(m)] for m in sources}
-            if uniform:  # one division, as BlueFog: (S_m + sum_k S_k) / (L (k + 1))
-                out = _combine(machine_sum, 1.0, by_machine, dict.fromkeys(sources, 1.0))
-                out.div_(layout.local_size * (len(sources) + 1))
-            else:
-                out = _combine(machine_sum, sw, by_machine, weights)
-                out.div_(layout.local_size)
+            with timeline.record(None, "combining"):
+                if uniform:  # one division, as BlueFog: (S_m + sum_k S_k) / (L (k + 1))
+                    out = weighted_sum(machine_sum, 1.0, by_machine, dict.fromkeys(sources, 1.0))
+                    out.div_(layout.local_size * (len(sources) + 1))
+                else:
+                    out = weighted_sum(machine_sum, sw, by_machine, weights)
+                    out.div_(layout.local_size)
         work = dist.broadcast(out, leader, group=local_group(), async_op=True)
-        _wire.wait_works(op, [(leader, work)])
+        transport.wait_works(op, [(leader, work)])
         return out
 
-    return _engine.run(op, body, async_op)
+    return transport.run(op, body, async_op)

@@ -13,19 +13,23 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from gossamer.ops import _engine, _wire
-from gossamer.ops._args import (
+from gossamer import transport
+from gossamer.combine import is_uniform, scaled_copies, weighted_sum
+from gossamer.ops.defaults import get_topology
+from gossamer.profiling import timeline
+from gossamer.topology import Topology
+from gossamer.transport import (
     AVERAGING_DTYPES,
+    DTYPES,
+    Handle,
     check_rank,
     check_rank_list,
     check_tensor,
     check_weight,
     check_weights,
+    group_rank,
+    group_size,
 )
-from gossamer.ops.defaults import check_topology, get_topology, group_rank, group_size
-from gossamer.ops.handle import Handle
-from gossamer.profiling import timeline as _timeline
-from gossamer.topology import Topology
 
 __all__ = ["neighbor_allgather", "neighbor_allreduce", "pair_gossip"]
 
@@ -36,46 +40,15 @@ def _combine(
     received: Mapping[int, torch.Tensor],
     weights: Mapping[int, float] | None,
 ) -> torch.Tensor:
-    """``self_weight * x + sum_s weights[s] * received[s]``; uniform when weights is None.
-
-    The uniform case is ``(x + sum_s received[s]) / (k + 1)``: sum first, then divide, which
-    is exact where multiplying by ``1/(k+1)`` would round (BlueFog computes it this way).
-    """
-    wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     # Row None: the operation being run (neighbor_allreduce, pair_gossip, hierarchical).
-    with _timeline.record(None, "combining"):
-        if weights is None:
-            sources = sorted(received)
-            # The first addition allocates the output, saving a separate copy of x.
-            out = torch.add(x.to(wide), received[sources[0]]) if sources else x.to(wide, copy=True)
-            for src in sources[1:]:
-                out.add_(received[src])
-            out.div_(len(received) + 1)
-        else:
-            out = torch.mul(x.to(wide), self_weight)
-            for src in sorted(weights):
-                out.add_(received[src], alpha=weights[src])
-        return out if out.dtype == x.dtype else out.to(x.dtype)
-
-
-def _is_uniform(self_weight: float, weights: Mapping[int, float], sources: Sequence[int]) -> bool:
-    share = 1.0 / (len(sources) + 1)
-    return (
-        set(weights) == set(sources)
-        and self_weight == share
-        and all(w == share for w in weights.values())
-    )
-
-
-def _send_map(x: torch.Tensor, dst_weights: Mapping[int, float]) -> dict[int, torch.Tensor]:
-    # One shared buffer for every unscaled destination; a scaled copy per weighted one.
-    return {d: x if w == 1.0 else x * w for d, w in dst_weights.items()}
+    with timeline.record(None, "combining"):
+        return weighted_sum(x, self_weight, received, weights)
 
 
 def _topology_for(topology: Topology | None, group: dist.ProcessGroup | None) -> Topology:
     if topology is None:
         return get_topology(group)
-    return check_topology(topology, group, "topology")
+    return transport.check_topology(topology, group, "topology")
 
 
 def _check_graph(
@@ -87,7 +60,7 @@ def _check_graph(
     mine[list(sends)] = 1
     mine[[size + s for s in sources]] = 1
     rows = [torch.empty_like(mine) for _ in range(size)]
-    _wire.wait_works(op, [(-1, dist.all_gather(rows, mine, group=group, async_op=True))])
+    transport.wait_works(op, [(-1, dist.all_gather(rows, mine, group=group, async_op=True))])
     send = torch.stack([r[:size] for r in rows])
     recv = torch.stack([r[size:] for r in rows])
     bad = (send != recv.T).nonzero().tolist()
@@ -178,7 +151,7 @@ def neighbor_allreduce(
         else:
             sw = check_weight(self_weight, "self_weight")
             weights = check_weights(src_weights, "src_weights", size, me, sources, "in-neighbours")
-    uniform = _is_uniform(sw, weights, sources)
+    uniform = is_uniform(sw, weights, sources)
     if not isinstance(check_topology, bool):
         raise TypeError(f"{op}: check_topology must be a bool; got {check_topology!r}")
 
@@ -186,10 +159,10 @@ def neighbor_allreduce(
         if check_topology:
             _check_graph(op, list(dsts), sources, group)
         x = tensor.contiguous()
-        received = _wire.exchange(op, x, _send_map(x, dsts), sources, group)
+        received = transport.exchange(op, x, scaled_copies(x, dsts), sources, group)
         return _combine(x, sw, received, None if uniform else weights)
 
-    return _engine.run(op, body, async_op)
+    return transport.run(op, body, async_op)
 
 
 def neighbor_allgather(
@@ -221,7 +194,7 @@ def neighbor_allgather(
         tensor([0, 2])  # Rank 1
     """
     op = "neighbor_allgather"
-    check_tensor(tensor, _wire.DTYPES, op)
+    check_tensor(tensor, DTYPES, op)
     if tensor.dim() == 0:
         raise ValueError(f"{op}: tensor must have at least one dimension; got a scalar")
     size, me = group_size(group), group_rank(group)
@@ -238,12 +211,14 @@ def neighbor_allgather(
         if check_topology:
             _check_graph(op, dsts, sources, group)
         x = tensor.contiguous()
-        received = _wire.exchange(op, x, dict.fromkeys(dsts, x), sources, group, any_first_dim=True)
+        received = transport.exchange(
+            op, x, dict.fromkeys(dsts, x), sources, group, any_first_dim=True
+        )
         if not sources:
             return x.new_empty((0, *x.shape[1:]))
         return torch.cat([received[s] for s in sources])
 
-    return _engine.run(op, body, async_op)
+    return transport.run(op, body, async_op)
 
 
 def pair_gossip(
@@ -277,7 +252,7 @@ def pair_gossip(
 
     def body() -> torch.Tensor:
         x = tensor.contiguous()
-        received = _wire.exchange(op, x, {target: x}, [target], group)
+        received = transport.exchange(op, x, {target: x}, [target], group)
         return _combine(x, sw, received, weights)
 
-    return _engine.run(op, body, async_op)
+    return transport.run(op, body, async_op)

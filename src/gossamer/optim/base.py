@@ -17,8 +17,8 @@ from torch import nn
 import gossamer
 from gossamer import context
 from gossamer.fusion import Bucket, bucketize
-from gossamer.ops.handle import Handle
 from gossamer.topology import Step, Topology
+from gossamer.transport import Handle
 
 __all__ = ["COMMUNICATIONS", "Communicator", "DecentralizedOptimizer"]
 

@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 import gossamer
-from gossamer import context
-from gossamer.ops import _engine
+from gossamer import context, transport
 
 __all__ = [
     "allreduce_parameters",
@@ -64,13 +63,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     inner = getattr(optimizer, "optimizer", optimizer)  # a DecentralizedOptimizer wraps one
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {optimizer!r}")
-    gossamer.ops.defaults.group_rank(None)
+    transport.group_rank(None)
     payload = [inner.state_dict() if context.rank() == root_rank else None]
 
     def body() -> None:
         dist.broadcast_object_list(payload, src=root_rank)
 
-    _engine.run("broadcast_optimizer_state", body, False)
+    transport.run("broadcast_optimizer_state", body, False)
     if context.rank() != root_rank:
         inner.load_state_dict(payload[0])
 

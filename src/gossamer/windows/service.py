@@ -5,8 +5,9 @@ header and a payload, the target's progress thread writes the payload into the o
 under the window's lock and acknowledges, and the origin's request completes on the
 acknowledgement. The target never has to call anything for a put to land.
 
-Headers are 16 float64 values on one tag, received from any source; each payload travels on
-a tag of its own request, so concurrent requests never mix. The progress thread only posts
+Every message is a :class:`~gossamer.transport.Header` (the same codec as the operations')
+on one tag, received from any source; each payload travels on a tag of its own request, so
+concurrent requests never mix. The progress thread only posts
 non-blocking sends, so two ranks answering each other cannot deadlock. It stops on a STOP
 message from its predecessor in a ring (stopping is collective), never on a timeout.
 """
@@ -20,37 +21,37 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum
 
 import torch
 import torch.distributed as dist
 
 from gossamer import context
 from gossamer.errors import CommunicationTimeout, PeerError, WindowError
+from gossamer.transport import HEADER_LEN, Header
 
-__all__ = ["Kind", "Service", "WindowState"]
+__all__ = ["WINDOW_DTYPES", "Kind", "Service", "WindowState"]
 
 logger = logging.getLogger("gossamer.windows")
 
-_MAGIC = 7.0e7 + 7
 _HEADER_TAG = 0x7701
 _PAYLOAD_TAG_BASE = 1 << 20
-_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+WINDOW_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 
 
-class Kind(IntEnum):
-    """Message kinds."""
+class Kind(Enum):
+    """Message kinds; each value is the operation name in the call header."""
 
-    PUT = 1
-    ACCUMULATE = 2
-    GET = 3
-    REPLY = 4
-    ACK = 5
-    NACK = 6
-    LOCK = 7
-    GRANT = 8
-    UNLOCK = 9
-    STOP = 10
+    PUT = "window.put"
+    ACCUMULATE = "window.accumulate"
+    GET = "window.get"
+    REPLY = "window.reply"
+    ACK = "window.ack"
+    NACK = "window.nack"
+    LOCK = "window.lock"
+    GRANT = "window.grant"
+    UNLOCK = "window.unlock"
+    STOP = "window.stop"
 
 
 @dataclass
@@ -89,13 +90,11 @@ def _header(
     wid: int,
     req: int,
     numel: int = 0,
-    dtype: int = 0,
+    dtype: torch.dtype = torch.float32,
     value: float = 0.0,
     slot: int = 0,
 ) -> torch.Tensor:
-    h = torch.zeros(16, dtype=torch.float64)
-    h[:8] = torch.tensor([_MAGIC, kind, wid, req, numel, dtype, value, slot], dtype=torch.float64)
-    return h
+    return Header(kind.value, dtype, (numel,), seq=req, aux=wid, slot=slot, value=value).encode()
 
 
 class Service:
@@ -132,7 +131,7 @@ class Service:
             req = next(self._ids)
             self._pending[req] = future
         numel = 0 if payload is None else payload.numel()
-        dtype = 0 if payload is None else _DTYPES.index(payload.dtype)
+        dtype = torch.float32 if payload is None else payload.dtype
         head = _header(kind, wid, req, numel, dtype, value, slot)
         try:
             sends = [(self.group.send([head], target, _HEADER_TAG), head)]
@@ -242,18 +241,21 @@ class Service:
             Kind.UNLOCK: self._on_unlock,
         }
         while True:
-            head = torch.empty(16, dtype=torch.float64)
+            encoded = torch.empty(HEADER_LEN, dtype=torch.int64)
             try:
-                work = self.group.recv_anysource([head], _HEADER_TAG)
+                work = self.group.recv_anysource([encoded], _HEADER_TAG)
                 work.wait()
                 src = work._source_rank()
-                values = head.tolist()
-                if values[0] != _MAGIC:
-                    raise PeerError(f"corrupt window message from rank {src}: {values[:8]}")
-                kind = Kind(int(values[1]))
+                head = Header.decode(encoded)
+                try:
+                    kind = Kind(head.op)
+                except ValueError:
+                    raise PeerError(
+                        f"rank {src} sent {head.describe()} to the window service"
+                    ) from None
                 if kind == Kind.STOP:
                     return
-                handlers[kind](kind, src, values)
+                handlers[kind](kind, src, head)
             except Exception as err:  # a peer died or spoke nonsense: fail every waiter
                 self._fail(err)
                 return
@@ -270,16 +272,16 @@ class Service:
     def _state(self, wid: int) -> WindowState | None:
         return self.windows.get(wid)
 
-    def _on_write(self, kind: Kind, src: int, v: list) -> None:
-        wid, req, numel, dtype, value = int(v[2]), int(v[3]), int(v[4]), int(v[5]), v[6]
+    def _on_write(self, kind: Kind, src: int, h: Header) -> None:
+        wid, req, value = h.aux, h.seq, h.value
         state = self._state(wid)
         if (
             state is None
             or src not in state.buffers
-            or state.tensor.numel() != numel
-            or state.tensor.dtype != _DTYPES[dtype]
+            or state.tensor.numel() != h.numel
+            or state.tensor.dtype != h.dtype
         ):
-            self._recv_payload(src, req, torch.empty(numel, dtype=_DTYPES[dtype]))  # drain
+            self._recv_payload(src, req, torch.empty(h.numel, dtype=h.dtype))  # drain
             self._post(src, _header(Kind.NACK, wid, req))
             return
         stage = state.stage(src)
@@ -294,8 +296,8 @@ class Service:
                 state.p_buffers[src] += value
         self._post(src, _header(Kind.ACK, wid, req))
 
-    def _on_get(self, kind: Kind, src: int, v: list) -> None:
-        wid, req = int(v[2]), int(v[3])
+    def _on_get(self, kind: Kind, src: int, h: Header) -> None:
+        wid, req = h.aux, h.seq
         state = self._state(wid)
         if state is None:
             self._post(src, _header(Kind.NACK, wid, req))
@@ -304,29 +306,25 @@ class Service:
             copy = state.tensor.detach().to("cpu", copy=True).contiguous()
         self._post(
             src,
-            _header(Kind.REPLY, wid, req, copy.numel(), _DTYPES.index(copy.dtype)),
+            _header(Kind.REPLY, wid, req, copy.numel(), copy.dtype),
             copy,
             _PAYLOAD_TAG_BASE + req % (1 << 30),
         )
 
-    def _on_reply(self, kind: Kind, src: int, v: list) -> None:
-        wid, req = int(v[2]), int(v[3])
+    def _on_reply(self, kind: Kind, src: int, h: Header) -> None:
+        wid, req = h.aux, h.seq
         state = self._state(wid)
-        stage = (
-            state.stage(src)
-            if state is not None
-            else torch.empty(int(v[4]), dtype=_DTYPES[int(v[5])])
-        )
+        stage = state.stage(src) if state is not None else torch.empty(h.numel, dtype=h.dtype)
         self._recv_payload(src, req, stage)
         if state is not None:
             with state.lock:
                 state.buffers[src].copy_(stage)
                 state.versions[src] += 1
-        self._on_answer(Kind.ACK, src, v)
+        self._on_answer(Kind.ACK, src, h)
 
-    def _on_answer(self, kind: Kind, src: int, v: list) -> None:
+    def _on_answer(self, kind: Kind, src: int, h: Header) -> None:
         with self._lock:
-            future = self._pending.pop(int(v[3]), None)
+            future = self._pending.pop(h.seq, None)
         if future is None:
             return
         if kind == Kind.NACK:
@@ -339,8 +337,8 @@ class Service:
         else:
             future.set_result(None)
 
-    def _on_lock(self, kind: Kind, src: int, v: list) -> None:
-        wid, req, slot = int(v[2]), int(v[3]), int(v[7])
+    def _on_lock(self, kind: Kind, src: int, h: Header) -> None:
+        wid, req, slot = h.aux, h.seq, h.slot
         state = self._state(wid)
         if state is None:
             self._post(src, _header(Kind.NACK, wid, req))
@@ -355,11 +353,11 @@ class Service:
         if granted:
             self._post(src, _header(Kind.GRANT, wid, req))
 
-    def _on_unlock(self, kind: Kind, src: int, v: list) -> None:
-        state = self._state(int(v[2]))
+    def _on_unlock(self, kind: Kind, src: int, h: Header) -> None:
+        state = self._state(h.aux)
         if state is not None:
-            self.release(state, int(v[7]))
-        self._post(src, _header(Kind.ACK, int(v[2]), int(v[3])))
+            self.release(state, h.slot)
+        self._post(src, _header(Kind.ACK, h.aux, h.seq))
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self) -> None:

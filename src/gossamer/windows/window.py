@@ -12,37 +12,31 @@ directed graph (Kempe et al., 2003).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import itertools
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from gossamer import context
+from gossamer import context, transport
+from gossamer.combine import weighted_sum
 from gossamer.errors import WindowError
-from gossamer.ops import _engine, _wire
-from gossamer.ops._args import check_rank, check_weight, check_weights
-from gossamer.ops.defaults import _live_windows, check_topology, get_topology
-from gossamer.ops.handle import Handle
+from gossamer.ops.defaults import get_topology
 from gossamer.topology import Topology
-from gossamer.windows.service import _DTYPES, Kind, Service, WindowState
+from gossamer.transport import Handle, check_rank, check_weight, check_weights
+from gossamer.windows.locks import local_locks, remote_locks
+from gossamer.windows.registry import registry
+from gossamer.windows.service import WINDOW_DTYPES, Kind, WindowState
 
 __all__ = ["Window", "live_windows"]
 
-_service: list[Service] = []
-_group: list[dist.ProcessGroup] = []
-_windows: dict[str, Window] = {}
-_ids = itertools.count(1)
-# Window operations from this rank run one at a time, in call order, on this thread.
-_client: list[ThreadPoolExecutor] = []
-
 
 def live_windows() -> list[str]:
-    """Names of the windows that exist now, sorted."""
-    return sorted(_windows)
+    """Names of the windows that exist now, sorted (empty before ``init``)."""
+    if not context.is_initialized():
+        return []
+    found = context.runtime().find("windows")
+    return [] if found is None else found.names()
 
 
 def _when_all(posted: list, finish, done: concurrent.futures.Future) -> None:
@@ -71,12 +65,6 @@ def _when_all(posted: list, finish, done: concurrent.futures.Future) -> None:
 
     for future, _ in posted:
         future.add_done_callback(one)
-
-
-def _get_client() -> ThreadPoolExecutor:
-    if not _client:
-        _client.append(ThreadPoolExecutor(1, thread_name_prefix="gossamer-window-ops"))
-    return _client[0]
 
 
 class Window:
@@ -122,24 +110,26 @@ class Window:
             TypeError: not a tensor, or a dtype other than float32/64, int32/64.
             ValueError: a name already in use. PeerError: ranks passed different shapes.
         """
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _DTYPES:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in WINDOW_DTYPES:
             raise TypeError(
                 "Window.create: tensor must be a torch.Tensor of float32, float64, int32 or "
                 f"int64; got {getattr(tensor, 'dtype', type(tensor).__name__)}"
             )
         if name is not None and not isinstance(name, str):
             raise TypeError(f"Window.create: name must be a str; got {name!r}")
-        if name in _windows:
+        windows = registry()
+        if name in windows.windows:
             raise ValueError(f"Window.create: a window named {name!r} already exists")
-        graph = get_topology() if topology is None else check_topology(topology, None, "topology")
+        graph = (
+            get_topology()
+            if topology is None
+            else transport.check_topology(topology, None, "topology")
+        )
 
         def body() -> Window:
-            _wire.check_same_call("window_create", tensor, None)
-            wid = next(_ids)
-            if not _service and context.size() > 1:
-                if not _group:
-                    _group.append(dist.new_group(backend="gloo"))
-                _service.append(Service(_group[0]))
+            transport.check_same_call("window_create", tensor, None)
+            wid = windows.next_id()
+            service = windows.start_service()
             me = context.rank()
             init = torch.zeros_like if zero_init else torch.clone
             host = tensor.detach().to("cpu")
@@ -152,33 +142,31 @@ class Window:
                 p_buffers=dict.fromkeys(graph.in_neighbors(me), 0.0),
                 push_sum=push_sum,
             )
-            if _service:
-                _service[0].windows[wid] = state
+            if service is not None:
+                service.windows[wid] = state
             # Every rank registered it: nobody's request can arrive before its target knows.
-            _wire.wait_works("Window.create", [(-1, dist.barrier(async_op=True))])
+            transport.wait_works("Window.create", [(-1, dist.barrier(async_op=True))])
             return cls(state, graph)
 
-        window = _engine.run("Window.create", body, False)
-        _windows[window.name] = window
-        _live_windows.add(window.name)
+        window = transport.run("Window.create", body, False)
+        windows.windows[window.name] = window
         return window
 
     def free(self) -> None:
         """Release the window on every rank (collective); waits for this rank's operations."""
         state = self._require()
-        _get_client().submit(lambda: None).result()  # drain queued operations
+        windows = registry()
+        windows.client().submit(lambda: None).result()  # drain queued operations
 
         def body() -> None:
-            _wire.wait_works("Window.free", [(-1, dist.barrier(async_op=True))])
-            if _service:
-                _service[0].windows.pop(state.wid, None)
-                if not _service[0].windows:
-                    _service.pop().stop()
+            transport.wait_works("Window.free", [(-1, dist.barrier(async_op=True))])
+            if windows.service is not None:
+                windows.service.windows.pop(state.wid, None)
+                windows.stop_service_if_idle()
 
         self._state = None
-        _windows.pop(self.name, None)
-        _live_windows.discard(self.name)
-        _engine.run("Window.free", body, False)
+        windows.windows.pop(self.name, None)
+        transport.run("Window.free", body, False)
 
     def __enter__(self) -> Window:
         return self
@@ -253,15 +241,17 @@ class Window:
         state = self._require()
         done: concurrent.futures.Future = concurrent.futures.Future()
 
+        windows = registry()
+
         def post() -> None:
-            svc = _service[0] if _service else None
+            svc = windows.service
             try:
                 if svc is None or not requests:
                     finish()
                     done.set_result(None)
                 elif require_mutex:
                     for peer, kind, payload, value in requests:
-                        with self._remote_locks([peer]):
+                        with remote_locks(svc, state, [peer]):
                             future, sends = svc.request(
                                 kind, peer, state.wid, payload=payload, value=value
                             )
@@ -280,7 +270,7 @@ class Window:
         if context.size() == 1:
             post()
         else:
-            _get_client().submit(post)
+            windows.client().submit(post)
         handle = Handle(done, what, context.timeout())
         return handle if async_op else handle.wait()
 
@@ -438,19 +428,14 @@ class Window:
         uniform = src_weights is None and all(
             w == sw == 1.0 / (len(weights) + 1) for w in weights.values()
         )
-        with self._local_locks(sorted(weights) if require_mutex else []), state.lock:
+        slots = sorted(weights) if require_mutex else []
+        with local_locks(registry().service, state, slots), state.lock:
             x = state.tensor
             bufs = {s: state.buffers[s].to(x.device) for s in weights}
+            out = weighted_sum(x.detach(), sw, bufs, None if uniform else weights)
             if uniform:
-                out = x.detach().clone()
-                for s in sorted(bufs):
-                    out.add_(bufs[s])
-                out.div_(len(bufs) + 1)
                 new_p = (state.p + sum(state.p_buffers[s] for s in weights)) / (len(weights) + 1)
             else:
-                out = x.detach() * sw
-                for s in sorted(bufs):
-                    out.add_(bufs[s] * weights[s])
                 new_p = sw * state.p + sum(weights[s] * state.p_buffers[s] for s in weights)
             if state.push_sum:
                 state.p = new_p
@@ -476,38 +461,6 @@ class Window:
         )
 
     # ------------------------------------------------------------------ mutexes
-    @contextlib.contextmanager
-    def _remote_locks(self, ranks: Sequence[int]) -> Iterator[None]:
-        state = self._require()
-        svc = _service[0] if _service else None
-        taken: list[int] = []
-        try:
-            for owner in sorted(ranks):  # one global order: no deadlock between lockers
-                future, sends = svc.request(Kind.LOCK, owner, state.wid, slot=context.rank())
-                svc.wait(f"mutex of rank {owner} on {self.name!r}", owner, future, sends)
-                taken.append(owner)
-            yield
-        finally:
-            for owner in reversed(taken):
-                future, sends = svc.request(Kind.UNLOCK, owner, state.wid, slot=context.rank())
-                svc.wait(f"unlock at rank {owner} on {self.name!r}", owner, future, sends)
-
-    @contextlib.contextmanager
-    def _local_locks(self, slots: Sequence[int]) -> Iterator[None]:
-        state = self._require()
-        svc = _service[0] if _service else None
-        taken: list[int] = []
-        try:
-            for slot in sorted(slots):
-                if svc is not None:
-                    svc.acquire_local(state, slot)
-                taken.append(slot)
-            yield
-        finally:
-            for slot in reversed(taken):
-                if svc is not None:
-                    svc.release(state, slot)
-
     def mutex(self, ranks: Sequence[int] | None = None, *, for_self: bool = False):
         """Hold the distributed mutexes of ``ranks`` (default: the out-neighbours).
 
@@ -524,19 +477,5 @@ class Window:
         )
         if me in chosen:
             raise ValueError(f"Window.mutex: ranks must not contain this rank ({me})")
-        return self._local_locks(chosen) if for_self else self._remote_locks(chosen)
-
-
-def _free_all() -> None:
-    for window in list(_windows.values()):
-        try:
-            window.free()
-        except Exception:  # shutdown must go on even if a peer is gone
-            _windows.pop(window.name, None)
-    _live_windows.clear()
-    _group.clear()
-    while _client:
-        _client.pop().shutdown(wait=False)
-
-
-context.on_shutdown(_free_all)
+        state, svc = self._require(), registry().service
+        return local_locks(svc, state, chosen) if for_self else remote_locks(svc, state, chosen)

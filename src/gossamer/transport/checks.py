@@ -1,4 +1,4 @@
-"""Argument checks shared by the operations; each error names the argument and the value."""
+"""Argument checks at the public boundary; each error names the argument and the value."""
 
 from __future__ import annotations
 
@@ -6,14 +6,22 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
+
+from gossamer import context
+from gossamer.errors import TopologyError
+from gossamer.topology import Topology
 
 __all__ = [
     "AVERAGING_DTYPES",
     "check_rank",
     "check_rank_list",
     "check_tensor",
+    "check_topology",
     "check_weight",
     "check_weights",
+    "group_rank",
+    "group_size",
 ]
 
 AVERAGING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -88,3 +96,32 @@ def check_rank_list(ranks: object, name: str, size: int, me: int) -> list[int]:
     if me in out:
         raise ValueError(f"{name} must not contain this rank ({me})")
     return out
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (the world when None)."""
+    context.rank()  # raises NotInitializedError before init
+    if group is None:
+        return dist.get_rank()
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None; got {group!r}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"rank {context.rank()} is not a member of group {group!r}")
+    return rank
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Number of ranks in ``group`` (the world when None)."""
+    group_rank(group)
+    return dist.get_world_size(group)
+
+
+def check_topology(topology: object, group: dist.ProcessGroup | None, name: str) -> Topology:
+    """Return ``topology`` if it is a Topology of the group's size, else raise."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"{name} must be a gossamer.topology.Topology; got {topology!r}")
+    size = group_size(group)
+    if topology.size != size:
+        raise TopologyError(f"{name} has {topology.size} ranks but the group has {size}")
+    return topology

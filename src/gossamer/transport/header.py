@@ -1,0 +1,151 @@
+"""The one call header of gossamer's wire: what a message is, before its payload.
+
+Every message that carries data (a neighbour exchange, a window request) is preceded by, or
+is, a header of :data:`HEADER_LEN` int64 values: a magic number, the operation, a sequence
+number, an auxiliary integer (a root rank, a window id), a slot, the payload codec, a float
+value (its bits), the dtype, and the shape. The receiver checks it against its own call and
+sizes its buffer from it, so a peer that called something else produces an error naming
+both sides instead of garbage or a hang. Compressed payloads name their codec here.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from gossamer.errors import PeerError
+
+__all__ = ["DTYPES", "HEADER_LEN", "OPS", "Header"]
+
+_MAGIC = 0x605_5A3E
+_MAX_DIMS = 10  # header slots for dims; further dims are folded into one product
+HEADER_LEN = 9 + _MAX_DIMS + 1
+
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+OPS = (
+    "allreduce",
+    "broadcast",
+    "allgather",
+    "neighbor_allreduce",
+    "neighbor_allgather",
+    "hierarchical_neighbor_allreduce",
+    "pair_gossip",
+    "window_create",
+    # One-sided window messages (served by the window service's progress thread).
+    "window.put",
+    "window.accumulate",
+    "window.get",
+    "window.reply",
+    "window.ack",
+    "window.nack",
+    "window.lock",
+    "window.grant",
+    "window.unlock",
+    "window.stop",
+)
+
+
+def _bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+@dataclass(frozen=True)
+class Header:
+    """A decoded call header.
+
+    Attributes:
+        op: the operation (one of :data:`OPS`).
+        dtype: the payload's dtype; shape: its shape (dims past the tenth folded into one).
+        seq: a sequence number (a request id); aux: an operation's integer (root, window id).
+        slot: a secondary integer (a mutex slot); codec: the payload codec (0: raw).
+        value: a float that travels with the call (a push-sum weight).
+    """
+
+    op: str
+    dtype: torch.dtype = torch.float32
+    shape: tuple[int, ...] = ()
+    seq: int = 0
+    aux: int = 0
+    slot: int = 0
+    codec: int = 0
+    value: float = 0.0
+
+    @classmethod
+    def of(cls, op: str, tensor: torch.Tensor, **fields: int | float) -> Header:
+        """The header of a call of ``op`` on ``tensor``."""
+        return cls(op, tensor.dtype, tuple(tensor.shape), **fields)  # type: ignore[arg-type]
+
+    @property
+    def numel(self) -> int:
+        """Number of payload elements."""
+        return math.prod(self.shape)
+
+    def encode(self) -> torch.Tensor:
+        """The header as :data:`HEADER_LEN` int64 values."""
+        dims = list(self.shape[:_MAX_DIMS])
+        rest = math.prod(self.shape[_MAX_DIMS:])
+        values = [
+            _MAGIC,
+            OPS.index(self.op),
+            self.seq,
+            self.aux,
+            self.slot,
+            self.codec,
+            _bits(float(self.value)),
+            DTYPES.index(self.dtype),
+            len(self.shape),
+        ]
+        values += dims + [-1] * (_MAX_DIMS - len(dims)) + [rest]
+        return torch.tensor(values, dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, encoded: torch.Tensor) -> Header:
+        """Parse what :meth:`encode` produced.
+
+        Raises:
+            PeerError: the values are not a header (a corrupt or foreign message).
+        """
+        v = encoded.tolist()
+        if v[0] != _MAGIC or not 0 <= v[1] < len(OPS) or not 0 <= v[7] < len(DTYPES):
+            raise PeerError(f"received a corrupt call header {v}")
+        ndim = v[8]
+        shape = v[9 : 9 + min(ndim, _MAX_DIMS)]
+        if ndim > _MAX_DIMS:
+            shape.append(v[-1])  # folded: only used to size the drain buffer
+        return cls(OPS[v[1]], DTYPES[v[7]], tuple(shape), v[2], v[3], v[4], v[5], _float(v[6]))
+
+    def matches(self, other: Header, any_first_dim: bool = False) -> bool:
+        """Same call: operation, aux, codec, dtype and shape (all but dim 0 if asked)."""
+        same = (self.op, self.aux, self.codec, self.dtype, len(self.shape)) == (
+            other.op,
+            other.aux,
+            other.codec,
+            other.dtype,
+            len(other.shape),
+        )
+        if any_first_dim and self.shape:
+            return same and self.shape[1:] == other.shape[1:]
+        return same and self.shape == other.shape
+
+    def describe(self) -> str:
+        """``"neighbor_allreduce of float32[3, 4]"`` (plus the root of a broadcast)."""
+        extra = f" (root {self.aux})" if self.op == "broadcast" else ""
+        return f"{self.op}{extra} of {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"

@@ -1,0 +1,173 @@
+"""Point-to-point exchanges and same-call checks, each preceded by a call header.
+
+Before its data, every neighbour exchange sends a :class:`~gossamer.transport.header.Header`
+(operation, dtype, shape). The receiver checks it against its own call and sizes its buffer
+from it, so a peer that called another operation or passed another shape produces an error
+naming both sides, not garbage or a hang. Headers and data travel on different tags, so a
+stray data message can never be taken for a header.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gossamer import context
+from gossamer.errors import PeerError
+from gossamer.profiling import timeline
+from gossamer.transport.failures import wait_works
+from gossamer.transport.header import HEADER_LEN, Header
+
+__all__ = ["check_same_call", "exchange"]
+
+_HEADER_TAG = 0x6F01
+_DATA_TAG = 0x6F02  # data chunks use 0x6F02 .. 0x6F02 + _MAX_CHUNKS - 1
+# Large CPU messages between machines travel as several chunks in flight per peer.
+# Measured on emulated 100 Mbit links (benchmarks/netbench, 4 hosts): a 1.2 MB exchange
+# alternating between peers took 150 ms per call as one gloo message and 110 ms as 4 or 16
+# chunks (wire time 96 ms). On one machine (bench_ops, loopback) chunks made 1e6-element
+# exchanges about 30 % slower, so messages between ranks of one machine stay whole.
+_CHUNK_BYTES = 256 * 2**10
+_MAX_CHUNKS = 32
+
+
+class Buffers:
+    """Receive buffers reused across calls, at most ``limit_bytes`` in all.
+
+    A fresh multi-megabyte allocation costs page faults on every call. Operations run one
+    at a time on the communication thread and consume their buffers before they return, so
+    one buffer per (peer, dtype, size) suffices.
+    """
+
+    def __init__(self, limit_bytes: int = 512 * 2**20) -> None:
+        self.limit_bytes = limit_bytes
+        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+    def get(self, head: Header, device: torch.device, peer: int) -> torch.Tensor:
+        """A tensor of ``head``'s dtype and shape for what ``peer`` sends."""
+        numel = head.numel
+        key = (peer, head.dtype, numel, device)
+        flat = self._cache.pop(key, None)
+        if flat is None:
+            flat = torch.empty(numel, dtype=head.dtype, device=device)
+        self._cache[key] = flat
+        while (
+            sum(t.nbytes for t in self._cache.values()) > self.limit_bytes and len(self._cache) > 1
+        ):
+            self._cache.popitem(last=False)
+        return flat.view(head.shape)
+
+
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _chunks(tensor: torch.Tensor, remote: bool) -> list[torch.Tensor]:
+    """``tensor`` as consecutive pieces of about ``_CHUNK_BYTES`` (views where it can be).
+
+    Only messages to or from another machine are split: on one machine the pieces cost
+    more than they gain. Both sides split by element count and by machine alone, so a
+    sender's pieces match its receiver's.
+    """
+    if not remote or tensor.device.type != "cpu" or tensor.nbytes <= _CHUNK_BYTES:
+        return [tensor]  # NCCL coalesces a batch itself
+    pieces = min(_MAX_CHUNKS, math.ceil(tensor.nbytes / _CHUNK_BYTES))
+    return list(tensor.reshape(-1).tensor_split(pieces))
+
+
+def _p2p(
+    op: str,
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    tag: int,
+) -> None:
+    """Post every send and receive at once, in chunks with tags ``tag``, ``tag + 1``, ..."""
+    layout = context.layout()
+
+    def pieces(peer: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        remote = layout.machine_of[_global(group, peer)] != layout.machine_rank
+        return _chunks(tensor, remote)
+
+    posts = [(dist.isend, p, c) for p, t in sends for c in pieces(p, t)]
+    posts += [(dist.irecv, p, c) for p, t in recvs for c in pieces(p, t)]
+    if not posts:
+        return
+    ops, index = [], {}
+    for fn, peer, chunk in posts:
+        k = index[fn, peer] = index.get((fn, peer), -1) + 1
+        ops.append(dist.P2POp(fn, chunk, group=group, group_peer=peer, tag=tag + k))
+    works = dist.batch_isend_irecv(ops)
+    peers = [p for _, p, _ in posts]
+    if len(works) != len(peers):  # a coalescing backend (NCCL) returns one work
+        peers = [-1] * len(works)
+    wait_works(op, [(_global(group, p), w) for p, w in zip(peers, works, strict=True)])
+
+
+def exchange(
+    op: str,
+    tensor: torch.Tensor,
+    sends: Mapping[int, torch.Tensor],
+    sources: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    *,
+    any_first_dim: bool = False,
+) -> dict[int, torch.Tensor]:
+    """Send ``sends[d]`` to every ``d`` and receive one tensor from every rank in ``sources``.
+
+    Ranks are ranks of ``group``. ``tensor`` is this rank's argument, against which the
+    peers' headers are checked (all dims, or all but the first with ``any_first_dim``).
+
+    The returned tensors are reused by the next exchange: consume them before returning.
+
+    Raises:
+        PeerError: a source called another operation, dtype or shape. The data is still
+            received (and dropped) first, so the sender does not hang.
+    """
+    mine = Header.of(op, tensor)
+    encoded = mine.encode()
+    heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
+    buffers = context.runtime().component("transport.buffers", Buffers)
+    with timeline.record(op, "communicating"):
+        _p2p(op, [(d, encoded) for d in sends], list(heads.items()), group, _HEADER_TAG)
+        theirs = {s: Header.decode(h) for s, h in heads.items()}
+        received = {s: buffers.get(h, tensor.device, s) for s, h in theirs.items()}
+        _p2p(op, list(sends.items()), list(received.items()), group, _DATA_TAG)
+    wrong = [s for s, h in theirs.items() if not mine.matches(h, any_first_dim)]
+    if wrong:
+        text = "; ".join(f"rank {_global(group, s)} called {theirs[s].describe()}" for s in wrong)
+        raise PeerError(
+            f"{op}: mismatched call: rank {context.rank()} called {mine.describe()}, but {text}"
+        )
+    return received
+
+
+def check_same_call(
+    op: str,
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    aux: int = 0,
+    *,
+    any_first_dim: bool = False,
+) -> list[tuple[int, ...]]:
+    """Check that every rank of ``group`` made the same call; return every rank's shape.
+
+    Raises:
+        PeerError: on every rank alike, naming the ranks whose call differs from rank 0's.
+    """
+    mine = Header.of(op, tensor, aux=aux).encode()
+    size = dist.get_world_size(group)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    with timeline.record(op, "communicating"):
+        wait_works(op, [(-1, dist.all_gather(gathered, mine, group=group, async_op=True))])
+    heads = [Header.decode(h) for h in gathered]
+    first = heads[0]
+    wrong = [r for r, h in enumerate(heads) if not first.matches(h, any_first_dim)]
+    if wrong:
+        text = "; ".join(f"rank {r} called {heads[r].describe()}" for r in wrong)
+        raise PeerError(f"{op}: mismatched call: rank 0 called {first.describe()}, but {text}")
+    return [h.shape for h in heads]

@@ -1,0 +1,78 @@
+"""The windows of one runtime: their progress service, its gloo group, the live windows.
+
+One :class:`Registry` is a component of the runtime (:func:`gossamer.context.runtime`), so
+``shutdown`` frees every window and a new ``init`` starts from nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch.distributed as dist
+
+from gossamer import context
+from gossamer.transport.engine import Engine
+from gossamer.windows.service import Service
+
+__all__ = ["Registry", "registry"]
+
+
+class Registry:
+    """Live windows by name, the service that serves them, and the client thread."""
+
+    def __init__(self) -> None:
+        # The windows are freed through the engine at shutdown: start it first, so that
+        # the runtime (which closes components newest first) closes it after this.
+        context.runtime().component("engine", Engine)
+        self.windows: dict[str, Any] = {}
+        self.service: Service | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._ids = itertools.count(1)
+        self._client: ThreadPoolExecutor | None = None
+
+    def names(self) -> list[str]:
+        """Names of the live windows, sorted."""
+        return sorted(self.windows)
+
+    def next_id(self) -> int:
+        """A new window id (the same on every rank: windows are created collectively)."""
+        return next(self._ids)
+
+    def start_service(self) -> Service | None:
+        """The progress service, started if needed (collective on first use); None alone."""
+        if self.service is None and context.size() > 1:
+            if self._group is None:
+                self._group = dist.new_group(backend="gloo")
+            self.service = Service(self._group)
+        return self.service
+
+    def stop_service_if_idle(self) -> None:
+        """Stop the service (collective) once it serves no window."""
+        if self.service is not None and not self.service.windows:
+            service, self.service = self.service, None
+            service.stop()
+
+    def client(self) -> ThreadPoolExecutor:
+        """The one thread that posts this rank's window requests, in call order."""
+        if self._client is None:
+            self._client = ThreadPoolExecutor(1, thread_name_prefix="gossamer-window-ops")
+        return self._client
+
+    def close(self) -> None:
+        """Free every window (collective), then stop the client thread."""
+        for window in list(self.windows.values()):
+            try:
+                window.free()
+            except Exception:  # shutdown must go on even if a peer is gone
+                self.windows.pop(window.name, None)
+        self.windows.clear()
+        if self._client is not None:
+            self._client.shutdown(wait=False)
+            self._client = None
+
+
+def registry() -> Registry:
+    """The registry of this runtime."""
+    return context.runtime().component("windows", Registry)
