@@ -44,21 +44,17 @@ import torch
 from torch import nn
 
 import gossamer
-from gossamer import context
 from gossamer import optim as core
 from gossamer.bluefog._compat import plain_weights
-from gossamer.bluefog.neighbor import _hierarchical, _neighbor_allreduce
+from gossamer.communicators import make
 from gossamer.optim import (
     AdaptThenCombine,
     AdaptWithCombine,
-    Communicator,
     DecentralizedOptimizer,
     GradientAllreduce,
     WindowPut,
 )
 from gossamer.profiling import timeline
-from gossamer.transport import Handle
-from gossamer.windows import Window
 
 __all__ = [
     "CommunicationType",
@@ -103,49 +99,6 @@ def _core_communication(value: object) -> str:
                 f"communication_type must be a CommunicationType; got {value!r}"
             ) from None
     return _TO_CORE[value]
-
-
-class _KnobCommunicator(Communicator):
-    """A core :class:`~gossamer.optim.Communicator` whose rounds use BlueFog's knobs.
-
-    The knobs are read when a round starts, and passed on as BlueFog's optimizers pass them
-    to ``neighbor_allreduce`` (or ``hierarchical_neighbor_allreduce``); with all of them
-    None a neighbour round is the core's static default.
-    """
-
-    def __init__(self, communication: str) -> None:
-        super().__init__(communication)
-        self.self_weight: float | None = None
-        self.src_weights: Mapping[int, float] | None = None
-        self.dst_weights: Mapping[int, float] | Sequence[int] | None = None
-        self.src_machine_weights: Mapping[int, float] | None = None
-        self.dst_machine_weights: Mapping[int, float] | Sequence[int] | None = None
-        self.enable_topo_check = False
-
-    def start(self, flat: torch.Tensor) -> Handle | None:
-        """Start this round's operation on ``flat`` with the current knobs."""
-        kind = self.communication
-        if context.size() == 1 or kind in ("allreduce", "none"):
-            return super().start(flat)
-        if kind == "hierarchical_neighbor_allreduce":
-            return _hierarchical(
-                flat,
-                self.self_weight,
-                self.src_machine_weights,
-                self.dst_machine_weights,
-                bool(self.enable_topo_check),
-                True,
-            )
-        if self.self_weight is None and self.src_weights is None and self.dst_weights is None:
-            return super().start(flat)
-        return _neighbor_allreduce(
-            flat,
-            self.self_weight,
-            self.src_weights,
-            self.dst_weights,
-            bool(self.enable_topo_check),
-            True,
-        )
 
 
 class _BlueFogOptimizer(DecentralizedOptimizer):
@@ -273,19 +226,36 @@ def _gradient_done(name: str, awaiting: set[str]) -> Any:
 
 
 def _knob(name: str, doc: str) -> property:
-    """A property that reads and writes the knob ``name`` of the optimizer's communicator."""
+    """A property for BlueFog's knob ``name``, passed on to the communicator of each round."""
 
     def get(self: Any) -> Any:
-        return getattr(self.communicator, name)
+        return self._knobs[name]
 
     def set_(self: Any, value: Any) -> None:
-        setattr(self.communicator, name, value)
+        self._knobs[name] = value
+        self._apply_knobs()
 
     return property(get, set_, doc=doc)
 
 
+# knob -> the attribute of the core communicator that takes it (per communication)
+_KNOB_TARGETS = {
+    "neighbor_allreduce": {
+        "self_weight": "self_weight",
+        "src_weights": "src_weights",
+        "dst_weights": "dst_weights",
+        "enable_topo_check": "check_topology",
+    },
+    "hierarchical_neighbor_allreduce": {
+        "self_weight": "self_weight",
+        "src_machine_weights": "src_machine_weights",
+        "dst_machine_weights": "dst_machine_weights",
+    },
+}
+
+
 class _Combine(_BlueFogOptimizer):
-    """The knobs of BlueFog's AWC and ATC optimizers, kept on a :class:`_KnobCommunicator`."""
+    """BlueFog's AWC and ATC knobs, handed to the core communicator the enum names."""
 
     def __init__(
         self,
@@ -294,14 +264,25 @@ class _Combine(_BlueFogOptimizer):
         communication_type: CommunicationType = CommunicationType.neighbor_allreduce,
         num_steps_per_communication: int = 1,
     ) -> None:
-        communication = _core_communication(communication_type)
+        self._knobs: dict[str, Any] = dict.fromkeys(
+            ("self_weight", "src_weights", "dst_weights"), None
+        )
+        self._knobs.update(src_machine_weights=None, dst_machine_weights=None)
+        self._knobs["enable_topo_check"] = False
         super().__init__(
             optimizer,
             model,
-            communication=communication,
+            communication=_core_communication(communication_type),
             num_steps_per_communication=num_steps_per_communication,
         )
-        self.communicator = _KnobCommunicator(communication)
+
+    def _apply_knobs(self) -> None:
+        targets = _KNOB_TARGETS.get(self.communicator.name, {})
+        for knob, attribute in targets.items():
+            value = self._knobs[knob]
+            if knob != "self_weight":
+                value = plain_weights(value)
+            setattr(self.communicator, attribute, value)
 
     self_weight = _knob("self_weight", "Weight of this rank's own value (None: default).")
     src_weights = _knob("src_weights", "``{source rank: weight}`` (None: default topology).")
@@ -321,11 +302,14 @@ class _Combine(_BlueFogOptimizer):
     @property
     def communication_type(self) -> CommunicationType:
         """The combine operation; may be changed between steps."""
-        return _FROM_CORE[self.communicator.communication]
+        return _FROM_CORE[self.communicator.name]
 
     @communication_type.setter
     def communication_type(self, value: CommunicationType) -> None:
-        self.communicator.communication = _core_communication(value)
+        fresh = make(_core_communication(value))
+        fresh.rounds = self.communicator.rounds
+        self.communicator = fresh
+        self._apply_knobs()
 
 
 class DistributedAdaptWithCombineOptimizer(_Combine, AdaptWithCombine):
@@ -416,27 +400,28 @@ class DistributedWinPutOptimizer(_BlueFogOptimizer, WindowPut):
             raise TypeError(f"window_prefix must be a str or None; got {window_prefix!r}")
         super().__init__(optimizer, model, num_steps_per_communication=num_steps_per_communication)
         self.window_prefix = window_prefix
-        self.dst_weights: Mapping[int, float] | Sequence[int] | None = None
+        self.dst_weights = None
         self.force_barrier = False
 
-    def _dst_weights(self, window: Window, share: float = 1.0) -> dict[int, float]:
-        if self.dst_weights is None:
-            return super()._dst_weights(window, share)
-        weights = plain_weights(self.dst_weights)
-        if not isinstance(weights, Mapping):
-            weights = dict.fromkeys(weights, 1.0)  # type: ignore[arg-type]
-        return {int(d): float(w) * share for d, w in weights.items()}
+    @property
+    def dst_weights(self) -> Mapping[int, float] | Sequence[int] | None:
+        """``{out-neighbour: scale}`` or a list of out-neighbours for the next puts."""
+        return self._dst_weights
 
-    def _in_flight(self) -> bool:
-        return bool(self._handles)
+    @dst_weights.setter
+    def dst_weights(self, value: Mapping[int, float] | Sequence[int] | None) -> None:
+        self._dst_weights = value
+        weights = plain_weights(value)
+        if weights is not None and not isinstance(weights, Mapping):
+            weights = dict.fromkeys(weights, 1.0)  # type: ignore[arg-type]
+        self.communicator.dst_weights = (
+            None if weights is None else {int(d): float(w) for d, w in weights.items()}
+        )
 
     def synchronize(self) -> None:
         """Wait for this rank's puts, then combine the window buffers into the parameters."""
-        if not self._handles:
-            return
-        WindowPut.synchronize(self)  # waits for the puts
-        for bucket, window in zip(self.buckets, self.windows, strict=True):
-            bucket.unpack(window.update(require_mutex=True), lambda p: p.data)
+        if self._in_flight():
+            DecentralizedOptimizer.synchronize(self)
 
     def step(self, closure: Any = None) -> Any:
         """Optional barrier, :meth:`synchronize`, then the wrapped optimizer's step."""

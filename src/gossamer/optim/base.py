@@ -14,99 +14,14 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-import gossamer
 from gossamer import context
+from gossamer.communicators import COMMUNICATIONS, Communicator, Pending, make
 from gossamer.fusion import Bucket, bucketize
 from gossamer.topology import Step, Topology
-from gossamer.transport import Handle
 
 __all__ = ["COMMUNICATIONS", "Communicator", "DecentralizedOptimizer"]
 
-COMMUNICATIONS = ("neighbor_allreduce", "hierarchical_neighbor_allreduce", "allreduce", "none")
 DEFAULT_FUSION_BYTES = 8 * 2**20
-
-
-class Communicator:
-    """What one communication round does to a flat tensor.
-
-    Args:
-        communication (str): one of :data:`COMMUNICATIONS`.
-        topology (Topology, optional): static graph for ``neighbor_allreduce`` (default: the
-            group's default topology).
-        schedule (Iterator[Step], optional): a dynamic topology; each round takes the next
-            step's send/receive ranks and weights (e.g. ``one_peer_exponential(g, rank)``).
-        global_average_every (int, optional): every K-th round is a global ``allreduce``
-            average instead (periodic global averaging).
-    """
-
-    def __init__(
-        self,
-        communication: str = "neighbor_allreduce",
-        topology: Topology | None = None,
-        schedule: Iterator[Step] | None = None,
-        global_average_every: int | None = None,
-    ) -> None:
-        if communication not in COMMUNICATIONS:
-            raise ValueError(
-                f"communication must be one of {COMMUNICATIONS}; got {communication!r}"
-            )
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a gossamer Topology; got {topology!r}")
-        if schedule is not None and not hasattr(schedule, "__next__"):
-            raise TypeError(f"schedule must be an iterator of topology.Step; got {schedule!r}")
-        if topology is not None and schedule is not None:
-            raise ValueError("give topology or schedule, not both")
-        if global_average_every is not None and (
-            isinstance(global_average_every, bool)
-            or not isinstance(global_average_every, int)
-            or global_average_every < 1
-        ):
-            raise ValueError(
-                f"global_average_every must be an int >= 1 or None; got {global_average_every!r}"
-            )
-        self.communication = communication
-        self.topology = topology
-        self.schedule = schedule
-        self.global_average_every = global_average_every
-        self.rounds = 0
-        self.step: Step | None = None
-        self._global = False
-
-    def next_round(self) -> None:
-        """Advance to the next round: pick its dynamic step or its global average."""
-        self.rounds += 1
-        every = self.global_average_every
-        self._global = every is not None and self.rounds % every == 0
-        if self.schedule is not None and not self._global:
-            self.step = next(self.schedule)
-
-    def start(self, flat: torch.Tensor) -> Handle | None:
-        """Start this round's operation on ``flat``; None when there is nothing to do."""
-        kind = "allreduce" if self._global else self.communication
-        if kind == "none" or context.size() == 1:
-            return None
-        if kind == "allreduce":
-            return gossamer.allreduce(flat, async_op=True)
-        step = self.step
-        if kind == "hierarchical_neighbor_allreduce":
-            if step is None:
-                return gossamer.hierarchical_neighbor_allreduce(flat, async_op=True)
-            return gossamer.hierarchical_neighbor_allreduce(
-                flat,
-                self_weight=step.self_weight,
-                src_machine_weights=step.src_weights,
-                dst_machine_weights=step.dst_weights,
-                async_op=True,
-            )
-        if step is None:
-            return gossamer.neighbor_allreduce(flat, topology=self.topology, async_op=True)
-        return gossamer.neighbor_allreduce(
-            flat,
-            self_weight=step.self_weight,
-            src_weights=step.src_weights,
-            dst_weights=step.dst_weights,
-            async_op=True,
-        )
 
 
 def _models(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -122,7 +37,10 @@ class DecentralizedOptimizer:
     Args:
         optimizer (torch.optim.Optimizer): the optimizer whose ``step()`` does the update.
         model (nn.Module | Sequence[nn.Module]): the model(s) owning the optimizer's parameters.
-        communication, topology, schedule, global_average_every: see :class:`Communicator`.
+        communicator (Communicator, optional): what a communication round does; default:
+            built from the four options below by :func:`gossamer.communicators.make`.
+        communication (str): a name of :data:`COMMUNICATIONS` (default
+            ``"neighbor_allreduce"``); topology, schedule, global_average_every: its options.
         num_steps_per_communication (int): communicate once every this many steps.
         fusion_threshold_bytes (int | None): bucket size; ``None`` or 0 sends every tensor
             on its own.
@@ -133,7 +51,8 @@ class DecentralizedOptimizer:
         optimizer: torch.optim.Optimizer,
         model: nn.Module | Sequence[nn.Module],
         *,
-        communication: str = "neighbor_allreduce",
+        communicator: Communicator | None = None,
+        communication: str | None = None,
         topology: Topology | None = None,
         schedule: Iterator[Step] | None = None,
         global_average_every: int | None = None,
@@ -165,11 +84,15 @@ class DecentralizedOptimizer:
         # Reverse registration order approximates the order gradients become ready.
         self.params = list(reversed(params))
         self.buckets: list[Bucket] = bucketize(self.params, fusion_threshold_bytes)
-        self.communicator = Communicator(communication, topology, schedule, global_average_every)
+        self.communicator = _communicator(
+            communicator, communication, topology, schedule, global_average_every
+        )
+        self.communicator.bind(self.buckets)
+        self._hooks: list = []
         self.num_steps_per_communication = num_steps_per_communication
         self.steps = 0
         # (bucket, handle, finish): finish maps the operation's result to the new values.
-        self._pending: list[tuple[Bucket, Handle | None, Callable | None]] = []
+        self._pending: list[tuple[Bucket, Pending | None, Callable | None]] = []
         self._warned = False
 
     # -------------------------------------------------------------- torch.optim look-alike
@@ -200,21 +123,40 @@ class DecentralizedOptimizer:
         self._load_comm_state(state["communication"])
 
     def _comm_state(self) -> dict:
-        return {"steps": self.steps, "rounds": self.communicator.rounds}
+        return {"steps": self.steps, **self.communicator.state_dict()}
 
     def _load_comm_state(self, state: dict) -> None:
         self.steps = int(state["steps"])
-        self.communicator.rounds = int(state["rounds"])
+        self.communicator.load_state_dict(state)
+
+    # -------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Finish the communication in flight, remove the hooks, release the communicator.
+
+        The communicator's release is collective for window patterns. The wrapped optimizer
+        stays usable on its own.
+        """
+        self.synchronize()
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+        self.communicator.close()
+
+    def __enter__(self) -> DecentralizedOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -------------------------------------------------------------- communication
     def _is_round(self) -> bool:
         """Whether the step now under way ends with communication."""
         return (self.steps + 1) % self.num_steps_per_communication == 0
 
-    def _start_rounds(self, buckets: Sequence[Bucket]) -> None:
+    def _start_rounds(self) -> None:
         self.communicator.next_round()
-        for bucket in buckets:
-            self._pending.append((bucket, self.communicator.start(bucket.pack()), None))
+        for index, bucket in enumerate(self.buckets):
+            self._pending.append((bucket, self.communicator.start(bucket.pack(), index), None))
 
     def synchronize(self) -> None:
         """Wait for the communication in flight and write its results into the parameters."""
@@ -232,5 +174,38 @@ class DecentralizedOptimizer:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({type(self.optimizer).__name__}, "
-            f"{self.communicator.communication}, {len(self.buckets)} buckets)"
+            f"{self.communicator.name}, {len(self.buckets)} buckets)"
         )
+
+
+def _communicator(
+    communicator: object,
+    communication: str | None,
+    topology: Topology | None,
+    schedule: Iterator[Step] | None,
+    global_average_every: int | None,
+) -> Communicator:
+    if communicator is None:
+        return make(
+            communication or "neighbor_allreduce",
+            topology=topology,
+            schedule=schedule,
+            global_average_every=global_average_every,
+        )
+    if not isinstance(communicator, Communicator):
+        raise TypeError(
+            f"communicator must be a gossamer.communicators.Communicator; got {communicator!r}"
+        )
+    given = {
+        "communication": communication,
+        "topology": topology,
+        "schedule": schedule,
+        "global_average_every": global_average_every,
+    }
+    clash = [name for name, value in given.items() if value is not None]
+    if clash:
+        raise ValueError(
+            f"give either communicator= or {', '.join(clash)}, not both: {clash[0]} is an "
+            "option of the communicator"
+        )
+    return communicator

@@ -38,6 +38,9 @@ class AdaptWithCombine(DecentralizedOptimizer):
         >>> opt.step()
     """
 
+    #: warn when the model runs forward twice before a step (only the first communicates)
+    warn_on_second_forward = True
+
     def __init__(self, optimizer: torch.optim.Optimizer, model, **kwargs) -> None:
         super().__init__(optimizer, model, **kwargs)
         self._started = False
@@ -47,6 +50,8 @@ class AdaptWithCombine(DecentralizedOptimizer):
         if not (module.training and torch.is_grad_enabled()):
             return
         if self._started:
+            if not self.warn_on_second_forward:
+                return
             self._warn_once(
                 "the model ran forward more than once before step(); only the "
                 "first forward of a step starts communication"
@@ -54,7 +59,7 @@ class AdaptWithCombine(DecentralizedOptimizer):
             return
         if self._is_round():
             self._started = True
-            self._start_rounds(self.buckets)
+            self._start_rounds()
 
     def step(self, closure=None):
         """Write the combined parameters, then take the wrapped optimizer's step."""
@@ -98,6 +103,15 @@ class AdaptThenCombine(DecentralizedOptimizer):
     def _before_forward(self, module, inputs) -> None:
         self.synchronize()
 
+    def _comm_state(self) -> dict:
+        # Exact diffusion's next step depends on the previous local step psi.
+        psi = {i: t.clone() for i, t in self._psi_prev.items()}
+        return {**super()._comm_state(), "psi_prev": psi}
+
+    def _load_comm_state(self, state: dict) -> None:
+        super()._load_comm_state(state)
+        self._psi_prev = {int(i): t.clone() for i, t in state.get("psi_prev", {}).items()}
+
     def _step_only(self, params: Iterable[torch.Tensor], closure=None):
         """The wrapped optimizer's step restricted to ``params`` (its own update rule)."""
         wanted = set(params)
@@ -133,7 +147,7 @@ class AdaptThenCombine(DecentralizedOptimizer):
                     sent = psi + x - self._psi_prev.get(index, x)
                     self._psi_prev[index] = psi
                     finish = _halved_sum(sent)
-                self._pending.append((bucket, self.communicator.start(sent), finish))
+                self._pending.append((bucket, self.communicator.start(sent, index), finish))
         self.steps += 1
         return loss
 

@@ -80,9 +80,9 @@ class GradientAllreduce(DecentralizedOptimizer):
             bucket = self.buckets[self._launched]
             if until_ready and self._ready[self._launched] < len(bucket.tensors):
                 return
-            self.communicator.rounds += 1
+            self.communicator.next_round()
             flat = bucket.pack(lambda p: p.grad)
-            self._pending.append((bucket, self.communicator.start(flat), None))
+            self._pending.append((bucket, self.communicator.start(flat, self._launched), None))
             self._launched += 1
 
     def synchronize(self) -> None:

@@ -228,6 +228,30 @@ class Window:
         with state.lock:
             return dict(state.p_buffers)
 
+    def load_slots(
+        self, buffers: Mapping[int, torch.Tensor], p_buffers: Mapping[int, float] | None = None
+    ) -> None:
+        """Overwrite the in-neighbours' slots (to restore a checkpoint); versions are cleared.
+
+        Raises:
+            ValueError: a key that is not an in-neighbour, or a tensor of another shape.
+        """
+        state = self._require()
+        extra = sorted(set(buffers) - set(state.buffers))
+        if extra:
+            raise ValueError(f"buffers keys must be in-neighbours {self.in_neighbors}; got {extra}")
+        with state.lock:
+            for src, value in buffers.items():
+                if value.shape != state.buffers[src].shape:
+                    raise ValueError(
+                        f"buffers[{src}] has shape {tuple(value.shape)}; the window's is "
+                        f"{tuple(state.buffers[src].shape)}"
+                    )
+                state.buffers[src].copy_(value)
+                state.versions[src] = 0
+            for src, p in (p_buffers or {}).items():
+                state.p_buffers[src] = float(p)
+
     # ------------------------------------------------------------------ operations
     def _issue(
         self, what: str, requests: list, require_mutex: bool, finish, async_op: bool

@@ -1,0 +1,87 @@
+"""Communicators: strategy objects, each one communication pattern with its own state.
+
+=================================  =========================================================
+class                              one round
+=================================  =========================================================
+``Allreduce``                      global average over all ranks
+``NeighborAllreduce``              weighted average with in-neighbours (static or scheduled)
+``HierarchicalNeighborAllreduce``  sum per machine, average with neighbour machines
+``WindowPutGossip``                put into neighbours' windows; combine what arrived
+``PushSumGossip``                  push shares of (x, p) over windows (directed graphs)
+``NoCommunication``                nothing (or only the periodic global average)
+=================================  =========================================================
+
+Optimizers take a communicator object (``communicator=NeighborAllreduce(schedule=...)``);
+the strings of :data:`COMMUNICATIONS` are a convenience that :func:`make` maps to classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from gossamer.communicators.base import Communicator, Deferred, Pending
+from gossamer.communicators.collective import Allreduce, NoCommunication
+from gossamer.communicators.neighbor import HierarchicalNeighborAllreduce, NeighborAllreduce
+from gossamer.communicators.window import PushSumGossip, WindowPutGossip
+from gossamer.topology import Step, Topology
+
+__all__ = [
+    "COMMUNICATIONS",
+    "COMMUNICATORS",
+    "Allreduce",
+    "Communicator",
+    "Deferred",
+    "HierarchicalNeighborAllreduce",
+    "NeighborAllreduce",
+    "NoCommunication",
+    "Pending",
+    "PushSumGossip",
+    "WindowPutGossip",
+    "make",
+]
+
+#: every pattern by name
+COMMUNICATORS: dict[str, type[Communicator]] = {
+    cls.name: cls
+    for cls in (
+        NeighborAllreduce,
+        HierarchicalNeighborAllreduce,
+        Allreduce,
+        NoCommunication,
+        WindowPutGossip,
+        PushSumGossip,
+    )
+}
+#: the names an optimizer's ``communication=`` accepts
+COMMUNICATIONS = ("neighbor_allreduce", "hierarchical_neighbor_allreduce", "allreduce", "none")
+
+
+def make(
+    communication: str = "neighbor_allreduce",
+    *,
+    topology: Topology | None = None,
+    schedule: Iterator[Step] | None = None,
+    global_average_every: int | None = None,
+) -> Communicator:
+    """The communicator that ``communication`` names, built from the optimizer options.
+
+    ``topology`` applies to ``"neighbor_allreduce"``; ``schedule`` to the neighbour patterns.
+
+    Raises:
+        ValueError: an unknown name, or both ``topology`` and ``schedule``.
+        TypeError: a ``topology`` or ``schedule`` of the wrong type.
+    """
+    if communication not in COMMUNICATIONS:
+        raise ValueError(f"communication must be one of {COMMUNICATIONS}; got {communication!r}")
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a gossamer Topology; got {topology!r}")
+    if schedule is not None and not hasattr(schedule, "__next__"):
+        raise TypeError(f"schedule must be an iterator of topology.Step; got {schedule!r}")
+    if topology is not None and schedule is not None:
+        raise ValueError("give topology or schedule, not both")
+    every = {"global_average_every": global_average_every}
+    if communication == "neighbor_allreduce":
+        return NeighborAllreduce(topology, schedule=schedule, **every)
+    if communication == "hierarchical_neighbor_allreduce":
+        return HierarchicalNeighborAllreduce(schedule=schedule, **every)
+    return COMMUNICATORS[communication](**every)

@@ -1,0 +1,116 @@
+"""The strategy interface: what one communication round does to a flat tensor.
+
+A :class:`Communicator` is given the flat buckets of a model once (:meth:`~Communicator.bind`),
+then, every round, the current value of each bucket (:meth:`~Communicator.start`); it returns
+something whose ``wait()`` gives the bucket's new value. Optimizers decide *when* rounds
+happen; communicators decide *what* a round is. Each owns its state (round counter, schedule
+position, windows, replicas) with ``state_dict()`` / ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from gossamer import context, ops
+from gossamer.fusion import Bucket
+
+__all__ = ["Communicator", "Deferred", "Pending"]
+
+
+class Pending(Protocol):
+    """A round in flight: ``wait()`` returns the bucket's new value."""
+
+    def wait(self) -> Any:
+        """Block until the round is done; return the new value."""
+
+
+class Deferred:
+    """A result computed on the caller's thread when it is waited for.
+
+    Window rounds finish with a combine that takes locks the progress thread must be free to
+    grant, so it cannot run in a completion callback.
+    """
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self._compute: Callable[[], Any] | None = compute
+        self._value: Any = None
+
+    def wait(self) -> Any:
+        """Compute the value (once) and return it."""
+        if self._compute is not None:
+            compute, self._compute = self._compute, None
+            self._value = compute()
+        return self._value
+
+
+def check_every(value: object, name: str) -> int | None:
+    """``value`` if it is None or an int >= 1, else ValueError naming ``name``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be an int >= 1 or None; got {value!r}")
+    return value
+
+
+class Communicator(abc.ABC):
+    """Base of every communication pattern.
+
+    Args:
+        global_average_every (int, optional): every K-th round is a global ``allreduce``
+            average instead of this pattern's (periodic global averaging).
+    """
+
+    #: the name of this pattern in :data:`gossamer.communicators.COMMUNICATIONS`
+    name: str = ""
+
+    def __init__(self, *, global_average_every: int | None = None) -> None:
+        self.global_average_every = check_every(global_average_every, "global_average_every")
+        self.rounds = 0
+        self._global = False
+
+    @property
+    def communication(self) -> str:
+        """The pattern's name (``"neighbor_allreduce"``, ...)."""
+        return self.name
+
+    def bind(self, buckets: Sequence[Bucket]) -> None:  # noqa: B027 - optional hook
+        """Called once with the optimizer's buckets (window patterns create windows here)."""
+
+    def next_round(self) -> None:
+        """Advance to the next round (a global one every ``global_average_every``)."""
+        self.rounds += 1
+        every = self.global_average_every
+        self._global = every is not None and self.rounds % every == 0
+        if not self._global:
+            self._advance()
+
+    def _advance(self) -> None:  # noqa: B027 - optional hook
+        """Pick this round's peers (dynamic patterns)."""
+
+    def start(self, flat: torch.Tensor, index: int = 0) -> Pending | None:
+        """Start this round on bucket ``index``, whose value is ``flat``; None: unchanged."""
+        if context.size() == 1:
+            return None
+        if self._global:
+            return ops.allreduce(flat, async_op=True)
+        return self._start(flat, index)
+
+    @abc.abstractmethod
+    def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
+        """This pattern's round (a world of more than one rank, not a global round)."""
+
+    def state_dict(self) -> dict:
+        """What the next rounds depend on."""
+        return {"rounds": self.rounds}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        self.rounds = int(state["rounds"])
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what :meth:`bind` created (collective for window patterns)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rounds={self.rounds})"

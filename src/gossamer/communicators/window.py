@@ -1,0 +1,170 @@
+r"""Asynchronous patterns over one-sided windows: no rank waits for another's compute.
+
+- :class:`WindowPutGossip` (BlueFog's win-put): a round puts each bucket into the
+  out-neighbours' windows; waiting on it combines whatever has arrived,
+  :math:`x \leftarrow w_{ii} x + \sum_j w_{ji} b_j`.
+- :class:`PushSumGossip` (push-sum, Kempe et al., 2003; stochastic gradient push, Assran
+  et al., 2019): each rank keeps :math:`x_i = p_i z_i` and a weight :math:`p_i`, pushes a
+  share :math:`1/(d_i+1)` of :math:`(x_i, p_i)` to each of its :math:`d_i` out-neighbours
+  and adds what it received. Mass is conserved, so on any strongly connected directed graph
+  the :math:`z_i = x_i / p_i` reach consensus.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from gossamer import context
+from gossamer.communicators.base import Deferred, Pending
+from gossamer.communicators.neighbor import _Scheduled
+from gossamer.fusion import Bucket
+from gossamer.topology import Step, Topology
+from gossamer.transport import Handle
+from gossamer.windows import Window
+
+__all__ = ["PushSumGossip", "WindowPutGossip"]
+
+_prefixes = itertools.count()
+
+
+class _WindowGossip(_Scheduled):
+    """Windows over the flat buckets, created (collectively) at :meth:`bind`."""
+
+    push_sum = False
+
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        *,
+        schedule: Iterator[Step] | None = None,
+        prefix: str | None = None,
+    ) -> None:
+        super().__init__(schedule=schedule)
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a gossamer Topology; got {topology!r}")
+        self.topology = topology
+        self.prefix = prefix
+        self.windows: list[Window] = []
+        self.dst_weights: dict[int, float] | None = None
+
+    def bind(self, buckets: Sequence[Bucket]) -> None:
+        """Create one window per bucket (collective)."""
+        prefix = self.prefix or f"{type(self).__name__}.{next(_prefixes)}"
+        for bucket in buckets:
+            bucket.pack()
+        # Push-sum keeps x apart from the packing buffer; win-put shares it.
+        self.windows = [
+            Window.create(
+                b.flat.clone() if self.push_sum else b.flat,
+                zero_init=self.push_sum,
+                push_sum=self.push_sum,
+                name=f"{prefix}.{i}",
+                topology=self.topology,
+            )
+            for i, b in enumerate(buckets)
+        ]
+
+    def destinations(self, window: Window, share: float = 1.0) -> dict[int, float]:
+        """This round's ``{destination: weight}`` (explicit, scheduled, or every out-neighbour)."""
+        if self.dst_weights is not None:
+            return {d: w * share for d, w in self.dst_weights.items()}
+        if self.step is None:
+            return dict.fromkeys(window.out_neighbors, share)
+        return {d: w * share for d, w in self.step.dst_weights.items()}
+
+    def close(self) -> None:
+        """Free the windows (collective)."""
+        windows, self.windows = self.windows, []
+        for window in windows:
+            window.free()
+
+
+class WindowPutGossip(_WindowGossip):
+    """Put each bucket to the out-neighbours; waiting combines what arrived (win-put).
+
+    The window of bucket ``i`` *is* the bucket's flat buffer, so a round puts the values
+    just packed. :meth:`start` returns at once; ``wait()`` waits for this rank's puts and
+    returns the combine of the window with the neighbours' latest copies.
+    """
+
+    name = "window_put"
+
+    def start(self, flat: torch.Tensor, index: int = 0) -> Pending | None:
+        """Put bucket ``index`` (in flight on return); ``wait()`` gives the combine."""
+        if context.size() == 1:
+            return None
+        return self._start(flat, index)
+
+    def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
+        window = self.windows[index]
+        put = window.put(dst_weights=self.destinations(window), async_op=True)
+        return _PutRound(put, window)
+
+
+class _PutRound(Deferred):
+    """A put in flight: :meth:`sent` waits for it alone, ``wait()`` also combines."""
+
+    def __init__(self, put: Handle, window: Window) -> None:
+        self.put = put
+        super().__init__(lambda: self._combine(window))
+
+    def sent(self) -> None:
+        """Wait until this rank's put has landed at every destination."""
+        self.put.wait()
+
+    def _combine(self, window: Window) -> torch.Tensor:
+        self.put.wait()
+        return window.update(require_mutex=True)
+
+
+class PushSumGossip(_WindowGossip):
+    r"""Push shares of :math:`(x_i, p_i)` and collect what arrived; ``flat`` holds :math:`z_i`.
+
+    Moving :math:`x_i` by :math:`p_i \Delta_i` (rather than SGP's :math:`\Delta_i`, whose
+    effective step :math:`\eta / p_i` diverges when a fast rank's :math:`p_i` shrinks) keeps
+    every rank's step size as given. When ranks run at different speeds their :math:`p_i`
+    drift apart and the consensus leans toward the ranks with larger :math:`p_i`.
+    """
+
+    name = "push_sum"
+    push_sum = True
+
+    def start(self, flat: torch.Tensor, index: int = 0) -> Pending | None:
+        """One push-sum exchange of bucket ``index``; done on return."""
+        if context.size() == 1:
+            return None
+        return self._start(flat, index)
+
+    def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
+        window = self.windows[index]
+        x = window.tensor
+        torch.mul(flat, window.p, out=x)
+        share = 1.0 / (len(self.destinations(window)) + 1)
+        window.accumulate(self_weight=share, dst_weights=self.destinations(window, share))
+        window.update_then_collect(require_mutex=True)
+        z = x / window.p
+        return Deferred(lambda: z)
+
+    def state_dict(self) -> dict:
+        """Counters, and per window its ``x``, ``p`` and what its slots hold."""
+        return {
+            **super().state_dict(),
+            "p": [w.p for w in self.windows],
+            "x": [w.tensor.detach().clone() for w in self.windows],
+            "buffers": [w.buffers() for w in self.windows],
+            "p_buffers": [w.p_buffers() for w in self.windows],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore counters and, where saved, the windows' contents."""
+        super().load_state_dict(state)
+        for i, window in enumerate(self.windows):
+            if i < len(state.get("p", [])):
+                window.p = float(state["p"][i])
+            if i < len(state.get("x", [])):
+                window.tensor.copy_(state["x"][i])
+            if i < len(state.get("buffers", [])):
+                window.load_slots(state["buffers"][i], state["p_buffers"][i])
