@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gossamer.topology.cliques import DCliques, d_cliques
 from gossamer.topology.draw import draw
 from gossamer.topology.dynamic import (
     Step,
@@ -19,6 +20,7 @@ from gossamer.topology.graphs import (
     star,
     symmetric_exponential,
 )
+from gossamer.topology.skew import PeerClumping, peer_clumping
 from gossamer.topology.topology import Topology
 from gossamer.topology.weights import (
     is_column_stochastic,
@@ -33,8 +35,11 @@ from gossamer.topology.weights import (
 )
 
 __all__ = [
+    "DCliques",
+    "PeerClumping",
     "Step",
     "Topology",
+    "d_cliques",
     "draw",
     "exponential",
     "exponential_two",
@@ -51,6 +56,7 @@ __all__ = [
     "metropolis_hastings_weights",
     "mixing_rate",
     "one_peer_exponential",
+    "peer_clumping",
     "ring",
     "spectral_gap",
     "star",
