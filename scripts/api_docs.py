@@ -18,6 +18,8 @@ MODULES = {
     "gossamer": "runtime context, collectives and neighbour operations, windows, errors",
     "gossamer.topology": "topology values, generators, weights, dynamic schedules",
     "gossamer.windows": "one-sided windows",
+    "gossamer.communicators": "communication patterns as strategy objects",
+    "gossamer.data": "partitioners for skewed data, skew measures, BatchNorm swap",
     "gossamer.optim": "decentralized optimizers and training helpers",
     "gossamer.fusion": "flat buckets for tensor fusion",
     "gossamer.profiling": "timeline (Chrome trace)",
