@@ -57,7 +57,7 @@ def _worker(rank: int, world_size: int, store: str, conn: Connection, pg_timeout
     import torch
     import torch.distributed as dist
 
-    import gossamer
+    from gossamer import context
 
     # Ranks share two cores: one thread each keeps them from starving one another.
     torch.set_num_threads(1)
@@ -69,7 +69,7 @@ def _worker(rank: int, world_size: int, store: str, conn: Connection, pg_timeout
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout),
         )
-        gossamer.init(timeout=pg_timeout)
+        context.init(timeout=pg_timeout)
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -88,8 +88,8 @@ def _worker(rank: int, world_size: int, store: str, conn: Connection, pg_timeout
             if call_env != env:
                 # Variables such as GOSSAMER_NODES_PER_MACHINE are read at init: re-init.
                 undo, env = _apply_env(call_env, undo), call_env
-                gossamer.shutdown()
-                gossamer.init(timeout=pg_timeout)
+                context.shutdown()
+                context.init(timeout=pg_timeout)
             reply: tuple[str, Any] = ("ok", fn(*args, **kwargs))
         except BaseException:
             reply = ("error", traceback.format_exc())
@@ -97,7 +97,7 @@ def _worker(rank: int, world_size: int, store: str, conn: Connection, pg_timeout
             conn.send(reply)
         except (pickle.PicklingError, TypeError, AttributeError) as err:
             conn.send(("error", f"rank {rank}: result of {fn.__name__} is not picklable: {err}"))
-    gossamer.shutdown()
+    context.shutdown()
     dist.destroy_process_group()
 
 

@@ -83,9 +83,6 @@ from gossamer.bluefog.optimizers import (
     DistributedHierarchicalNeighborAllreduceOptimizer,
     DistributedNeighborAllreduceOptimizer,
     DistributedWinPutOptimizer,
-    allreduce_parameters,
-    broadcast_optimizer_state,
-    broadcast_parameters,
 )
 from gossamer.bluefog.timeline import (
     timeline_context,
@@ -110,6 +107,11 @@ from gossamer.bluefog.topology_util import (
     RingGraph,
     StarGraph,
     SymmetricExponentialGraph,
+)
+from gossamer.bluefog.training import (
+    allreduce_parameters,
+    broadcast_optimizer_state,
+    broadcast_parameters,
 )
 from gossamer.bluefog.windows import (
     get_current_created_window_names,

@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 import gossamer
-from gossamer import optim as core
 from gossamer.bluefog._compat import plain_weights
+from gossamer.bluefog.timeline import parameter_activities
 from gossamer.communicators import make
 from gossamer.optim import (
     AdaptThenCombine,
@@ -65,9 +65,6 @@ __all__ = [
     "DistributedHierarchicalNeighborAllreduceOptimizer",
     "DistributedNeighborAllreduceOptimizer",
     "DistributedWinPutOptimizer",
-    "allreduce_parameters",
-    "broadcast_optimizer_state",
-    "broadcast_parameters",
 ]
 
 
@@ -171,58 +168,14 @@ class _BlueFogOptimizer(DecentralizedOptimizer):
         timeline is on (``GOSSAMER_TIMELINE`` or :func:`gossamer.profiling.start_timeline`);
         the optimizer turns this on by itself when the timeline is on at its creation.
         """
-        if self._timeline_handles:
-            return
-        awaiting: set[str] = set()
-        handles: list[Any] = []
-        for param, name in self.param_names.items():
-            handles.append(param.register_post_accumulate_grad_hook(_gradient_done(name, awaiting)))
-        for model in self.models:
-            for prefix, module in model.named_modules():
-                names = [
-                    f"{prefix}.{n}" if prefix else n
-                    for n, p in module.named_parameters(recurse=False)
-                    if p in self.param_names
-                ]
-                if not names:
-                    continue
-                handles.append(module.register_forward_pre_hook(_forward_started(names)))
-                handles.append(module.register_forward_hook(_forward_done(names, awaiting)))
-        self._timeline_handles = handles
+        if not self._timeline_handles:
+            self._timeline_handles = parameter_activities(self.param_names, self.models)
 
     def turn_off_timeline(self) -> None:
         """Stop recording the per-parameter activities."""
         handles, self._timeline_handles = self._timeline_handles, []
         for handle in handles:
             handle.remove()
-
-
-def _forward_started(names: list[str]) -> Any:
-    def hook(module: nn.Module, inputs: Any) -> None:
-        for name in names:
-            timeline.start_activity(name, "FORWARD")
-
-    return hook
-
-
-def _forward_done(names: list[str], awaiting: set[str]) -> Any:
-    def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-        for name in names:
-            timeline.end_activity(name)
-            if torch.is_grad_enabled() and name not in awaiting:
-                awaiting.add(name)
-                timeline.start_activity(name, "GRADIENT COMPT.")
-
-    return hook
-
-
-def _gradient_done(name: str, awaiting: set[str]) -> Any:
-    def hook(param: torch.Tensor) -> None:
-        if name in awaiting:
-            awaiting.discard(name)
-            timeline.end_activity(name)
-
-    return hook
 
 
 def _knob(name: str, doc: str) -> property:
@@ -473,39 +426,3 @@ class DistributedHierarchicalNeighborAllreduceOptimizer(_DeprecatedAdaptWithComb
     """Deprecated: AWC with :attr:`CommunicationType.hierarchical_neighbor_allreduce`."""
 
     _kind = CommunicationType.hierarchical_neighbor_allreduce
-
-
-# ---------------------------------------------------------------------- utilities
-def broadcast_parameters(params: Any, root_rank: int) -> None:
-    """Overwrite every rank's tensors, in place, with rank ``root_rank``'s. Collective.
-
-    Args:
-        params: a ``state_dict`` (its items are taken in sorted key order, as BlueFog), a
-            list or iterator of ``(name, tensor)`` pairs (``named_parameters()``), a list of
-            tensors, or an ``nn.Module``.
-        root_rank (int): the rank whose values everyone takes.
-
-    Raises:
-        TypeError: ``params`` is none of those.
-    """
-    core.broadcast_parameters(params, root_rank)
-
-
-def allreduce_parameters(params: Any) -> None:
-    """Replace every rank's floating-point tensors, in place, by their average. Collective.
-
-    ``params`` is as for :func:`broadcast_parameters`; integer tensors (such as batch-norm's
-    ``num_batches_tracked``) are left alone.
-    """
-    core.allreduce_parameters(params)
-
-
-def broadcast_optimizer_state(optimizer: Any, root_rank: int) -> None:
-    """Give every rank rank ``root_rank``'s optimizer state and hyper-parameters. Collective.
-
-    Args:
-        optimizer: a ``torch.optim`` optimizer or one of this module's optimizers (its
-            wrapped optimizer is used). Any optimizer works, LBFGS included.
-        root_rank (int): the rank whose state everyone takes.
-    """
-    core.broadcast_optimizer_state(optimizer, root_rank)

@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
 
 from gossamer.profiling import timeline
 
-__all__ = ["timeline_context", "timeline_end_activity", "timeline_start_activity"]
+__all__ = [
+    "parameter_activities",
+    "timeline_context",
+    "timeline_end_activity",
+    "timeline_start_activity",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,3 +99,56 @@ def timeline_context(tensor_name: str, activity_name: str) -> Iterator[None]:
     finally:
         if started:
             timeline.end_activity(tensor_name)
+
+
+def parameter_activities(
+    param_names: Mapping[torch.Tensor, str], models: Sequence[nn.Module]
+) -> list[Any]:
+    """Hooks that record ``FORWARD`` and ``GRADIENT COMPT.`` spans per parameter (BlueFog's).
+
+    Rows are named by the parameters' names; returns the hook handles (``remove()`` each).
+    """
+    awaiting: set[str] = set()
+    handles: list[Any] = []
+    for param, name in param_names.items():
+        handles.append(param.register_post_accumulate_grad_hook(_gradient_done(name, awaiting)))
+    for model in models:
+        for prefix, module in model.named_modules():
+            names = [
+                f"{prefix}.{n}" if prefix else n
+                for n, p in module.named_parameters(recurse=False)
+                if p in param_names
+            ]
+            if not names:
+                continue
+            handles.append(module.register_forward_pre_hook(_forward_started(names)))
+            handles.append(module.register_forward_hook(_forward_done(names, awaiting)))
+    return handles
+
+
+def _forward_started(names: list[str]) -> Any:
+    def hook(module: nn.Module, inputs: Any) -> None:
+        for name in names:
+            timeline.start_activity(name, "FORWARD")
+
+    return hook
+
+
+def _forward_done(names: list[str], awaiting: set[str]) -> Any:
+    def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        for name in names:
+            timeline.end_activity(name)
+            if torch.is_grad_enabled() and name not in awaiting:
+                awaiting.add(name)
+                timeline.start_activity(name, "GRADIENT COMPT.")
+
+    return hook
+
+
+def _gradient_done(name: str, awaiting: set[str]) -> Any:
+    def hook(param: torch.Tensor) -> None:
+        if name in awaiting:
+            awaiting.discard(name)
+            timeline.end_activity(name)
+
+    return hook

@@ -13,7 +13,7 @@ from gossamer.topology import Step, Topology
 __all__ = ["HierarchicalNeighborAllreduce", "NeighborAllreduce"]
 
 
-class _Scheduled(Communicator):
+class Scheduled(Communicator):
     """A pattern whose peers come from a topology or, per round, from a dynamic schedule.
 
     The schedule position (how many steps were taken) is part of :meth:`state_dict`; loading
@@ -58,7 +58,7 @@ class _Scheduled(Communicator):
                 self.schedule_steps += 1
 
 
-class NeighborAllreduce(_Scheduled):
+class NeighborAllreduce(Scheduled):
     r"""Each round: :math:`x_i \leftarrow w_{ii} x_i + \sum_j w_{ji} x_j` over in-neighbours.
 
     Args:
@@ -114,7 +114,7 @@ class NeighborAllreduce(_Scheduled):
         )
 
 
-class HierarchicalNeighborAllreduce(_Scheduled):
+class HierarchicalNeighborAllreduce(Scheduled):
     r"""Each round: sum inside each machine, average the sums with the neighbour machines.
 
     See :func:`gossamer.hierarchical_neighbor_allreduce`. Peers come from the machine

@@ -19,7 +19,7 @@ import torch
 
 from gossamer import context
 from gossamer.communicators.base import Deferred, Pending
-from gossamer.communicators.neighbor import _Scheduled
+from gossamer.communicators.neighbor import Scheduled
 from gossamer.fusion import Bucket
 from gossamer.topology import Step, Topology
 from gossamer.transport import Handle
@@ -30,7 +30,7 @@ __all__ = ["PushSumGossip", "WindowPutGossip"]
 _prefixes = itertools.count()
 
 
-class _WindowGossip(_Scheduled):
+class _WindowGossip(Scheduled):
     """Windows over the flat buckets, created (collectively) at :meth:`bind`."""
 
     push_sum = False

@@ -7,8 +7,7 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-import gossamer
-from gossamer import context, transport
+from gossamer import context, ops, transport
 
 __all__ = [
     "allreduce_parameters",
@@ -41,7 +40,7 @@ def broadcast_parameters(params: object, root_rank: int = 0) -> None:
         params: a ``state_dict``, an ``nn.Module``, ``named_parameters()`` or tensors.
         root_rank (int): the rank whose values everyone takes.
     """
-    handles = [gossamer.broadcast_(t.data, root=root_rank, async_op=True) for t in _tensors(params)]
+    handles = [ops.broadcast_(t.data, root=root_rank, async_op=True) for t in _tensors(params)]
     for handle in handles:
         handle.wait()
 
@@ -49,7 +48,7 @@ def broadcast_parameters(params: object, root_rank: int = 0) -> None:
 def allreduce_parameters(params: object) -> None:
     """Replace every rank's parameters (in place) by their average over all ranks."""
     tensors = [t for t in _tensors(params) if t.is_floating_point()]
-    handles = [gossamer.allreduce_(t.data, async_op=True) for t in tensors]
+    handles = [ops.allreduce_(t.data, async_op=True) for t in tensors]
     for handle in handles:
         handle.wait()
 
@@ -84,6 +83,6 @@ def consensus_distance(params: object) -> float:
     """
     tensors = [t.detach().double().flatten() for t in _tensors(params) if t.is_floating_point()]
     flat = torch.cat(tensors) if tensors else torch.zeros(1, dtype=torch.float64)
-    mean = gossamer.allreduce(flat)
-    squared = gossamer.allreduce(((flat - mean) ** 2).sum().reshape(1))
+    mean = ops.allreduce(flat)
+    squared = ops.allreduce(((flat - mean) ** 2).sum().reshape(1))
     return float(squared.sqrt())

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from gossamer.topology.topology import Topology, _check_int, _check_rank
-from gossamer.topology.weights import _metropolis_hastings_matrix
+from gossamer.topology.topology import Topology, check_int, check_rank
+from gossamer.topology.weights import metropolis_hastings_matrix
 
 __all__ = ["DCliques", "d_cliques"]
 
@@ -38,7 +38,7 @@ class DCliques:
             TypeError: ``rank`` is not an int.
             ValueError: ``rank`` is outside ``[0, size)``.
         """
-        rank = _check_rank(rank, self.topology.size)
+        rank = check_rank(rank, self.topology.size)
         return next(c for c in self.cliques if rank in c)
 
 
@@ -208,11 +208,11 @@ def d_cliques(
         [(0, 1), (2, 3)]
     """
     dists = _as_histograms(label_histograms)
-    clique_size = _check_int(clique_size, "clique_size", minimum=1)
+    clique_size = check_int(clique_size, "clique_size", minimum=1)
     if not isinstance(inter, str) or inter not in _INTER:
         raise ValueError(f"inter must be one of {_INTER}; got {inter!r}")
-    seed = _check_int(seed, "seed", minimum=0)
-    steps = _check_int(steps, "steps", minimum=0)
+    seed = check_int(seed, "seed", minimum=0)
+    steps = check_int(steps, "steps", minimum=0)
     rng = np.random.default_rng(seed)
     cliques = _greedy_swap(dists, clique_size, steps, rng)
     size = len(dists)
@@ -224,6 +224,6 @@ def d_cliques(
     np.fill_diagonal(adj, False)
     name = f"d_cliques({size}, clique_size={clique_size}, inter={inter!r}, seed={seed})"
     return DCliques(
-        topology=Topology(_metropolis_hastings_matrix(adj), name=name),
+        topology=Topology(metropolis_hastings_matrix(adj), name=name),
         cliques=tuple(sorted(tuple(sorted(int(r) for r in c)) for c in cliques)),
     )

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from gossamer.topology.topology import Topology, _check_int, _check_rank
+from gossamer.topology.topology import Topology, check_int, check_rank
 
 __all__ = [
     "Step",
@@ -20,7 +20,7 @@ __all__ = [
 
 
 def _rank_tuple(ranks: Iterable[int], name: str) -> tuple[int, ...]:
-    result = tuple(_check_int(r, f"{name} entries", minimum=0) for r in ranks)
+    result = tuple(check_int(r, f"{name} entries", minimum=0) for r in ranks)
     if len(set(result)) != len(result):
         raise ValueError(f"{name} must not repeat a rank; got {result}")
     return result
@@ -159,21 +159,21 @@ def one_peer_exponential(topology: Topology, rank: int) -> Iterator[Step]:
     """
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a Topology; got {type(topology).__name__}")
-    rank = _check_rank(rank, topology.size)
+    rank = check_rank(rank, topology.size)
     successors = [_clockwise_successors(topology, r) for r in range(topology.size)]
     return _one_peer_steps(successors, rank)
 
 
 def _check_layout(world_size: object, local_size: object, rank: object) -> tuple[int, int, int]:
     """Validate a homogeneous layout and return ``(num_machines, local_size, rank)``."""
-    world = _check_int(world_size, "world_size", minimum=1)
-    local = _check_int(local_size, "local_size", minimum=1)
+    world = check_int(world_size, "world_size", minimum=1)
+    local = check_int(local_size, "local_size", minimum=1)
     if world % local:
         raise ValueError(
             f"world_size must be a multiple of local_size (same number of ranks on every "
             f"machine); got world_size={world}, local_size={local}"
         )
-    return world // local, local, _check_rank(rank, world)
+    return world // local, local, check_rank(rank, world)
 
 
 def _exp2_exponent(count: int) -> int:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gossamer.topology.topology import Topology, _check_int, _check_rank
-from gossamer.topology.weights import _metropolis_hastings_matrix
+from gossamer.topology.topology import Topology, check_int, check_rank
+from gossamer.topology.weights import metropolis_hastings_matrix
 
 __all__ = [
     "exponential",
@@ -63,8 +63,8 @@ def exponential(size: int, base: int = 2) -> Topology:
         >>> exponential(8).in_neighbors(0)
         (4, 6, 7)
     """
-    size = _check_int(size, "size", minimum=1)
-    base = _check_int(base, "base", minimum=2)
+    size = check_int(size, "size", minimum=1)
+    base = check_int(base, "base", minimum=2)
     mask = [k == 0 or _is_power_of(k, base) for k in range(size)]
     return _circulant(mask, f"exponential({size}, base={base})")
 
@@ -105,8 +105,8 @@ def symmetric_exponential(size: int, base: int = 4) -> Topology:
         TypeError: ``size`` or ``base`` is not an int.
         ValueError: ``size < 1`` or ``base < 2``.
     """
-    size = _check_int(size, "size", minimum=1)
-    base = _check_int(base, "base", minimum=2)
+    size = check_int(size, "size", minimum=1)
+    base = check_int(base, "base", minimum=2)
     mask = [k == 0 or _is_power_of(k if k <= size // 2 else size - k, base) for k in range(size)]
     return _circulant(mask, f"symmetric_exponential({size}, base={base})")
 
@@ -117,8 +117,8 @@ def _grid_shape(size: int, shape: Sequence[int] | None) -> tuple[int, int]:
         return nrow, size // nrow
     if isinstance(shape, str | bytes) or not isinstance(shape, Sequence) or len(shape) != 2:
         raise TypeError(f"shape must be a pair (nrow, ncol) or None; got {shape!r}")
-    nrow = _check_int(shape[0], "shape[0]", minimum=1)
-    ncol = _check_int(shape[1], "shape[1]", minimum=1)
+    nrow = check_int(shape[0], "shape[0]", minimum=1)
+    ncol = check_int(shape[1], "shape[1]", minimum=1)
     if nrow * ncol != size:
         raise ValueError(f"shape {nrow}x{ncol} = {nrow * ncol} does not match size {size}")
     return nrow, ncol
@@ -145,7 +145,7 @@ def mesh_grid_2d(size: int, shape: Sequence[int] | None = None) -> Topology:
         TypeError: ``size`` is not an int, or ``shape`` is not a pair of ints.
         ValueError: ``size < 1``, or ``shape`` does not multiply to ``size``.
     """
-    size = _check_int(size, "size", minimum=1)
+    size = check_int(size, "size", minimum=1)
     nrow, ncol = _grid_shape(size, shape)
     adj = np.zeros((size, size), dtype=bool)
     for i in range(size):
@@ -153,7 +153,7 @@ def mesh_grid_2d(size: int, shape: Sequence[int] | None = None) -> Topology:
             adj[i, i + 1] = adj[i + 1, i] = True
         if i + ncol < size:
             adj[i, i + ncol] = adj[i + ncol, i] = True
-    weights = _metropolis_hastings_matrix(adj)
+    weights = metropolis_hastings_matrix(adj)
     return Topology(weights, name=f"mesh_grid_2d({size}, shape=({nrow}, {ncol}))")
 
 
@@ -174,8 +174,8 @@ def star(size: int, center: int = 0) -> Topology:
         TypeError: ``size`` or ``center`` is not an int.
         ValueError: ``size < 1`` or ``center`` is outside ``[0, size)``.
     """
-    size = _check_int(size, "size", minimum=1)
-    center = _check_rank(center, size, "center")
+    size = check_int(size, "size", minimum=1)
+    center = check_rank(center, size, "center")
     weights = np.diag(np.full(size, 1.0 - 1.0 / size))
     weights[center, :] = 1.0 / size
     weights[:, center] = 1.0 / size
@@ -208,7 +208,7 @@ def ring(size: int, style: str = "bidirectional") -> Topology:
         TypeError: ``size`` is not an int.
         ValueError: ``size < 1`` or ``style`` is not one of the three names.
     """
-    size = _check_int(size, "size", minimum=1)
+    size = check_int(size, "size", minimum=1)
     if not isinstance(style, str) or style not in _RING_STYLES:
         raise ValueError(
             f"style must be one of {_RING_STYLES} (BlueFog's connect_style 0, 1, 2); got {style!r}"
@@ -234,5 +234,5 @@ def fully_connected(size: int) -> Topology:
         TypeError: ``size`` is not an int.
         ValueError: ``size < 1``.
     """
-    size = _check_int(size, "size", minimum=1)
+    size = check_int(size, "size", minimum=1)
     return Topology(np.full((size, size), 1.0 / size), name=f"fully_connected({size})")

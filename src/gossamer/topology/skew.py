@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from gossamer.topology.topology import Topology, _check_int, _check_rank
-from gossamer.topology.weights import _metropolis_hastings_matrix
+from gossamer.topology.topology import Topology, check_int, check_rank
+from gossamer.topology.weights import metropolis_hastings_matrix
 
 __all__ = ["PeerClumping", "peer_clumping"]
 
@@ -35,7 +35,7 @@ class PeerClumping:
             TypeError: ``rank`` is not an int.
             ValueError: ``rank`` is outside ``[0, size)``.
         """
-        rank = _check_rank(rank, self.topology.size)
+        rank = check_rank(rank, self.topology.size)
         return tuple(r for r, c in enumerate(self.clusters) if c == self.clusters[rank])
 
 
@@ -165,7 +165,7 @@ def peer_clumping(
     """
     points = _as_features(features)
     size = len(points)
-    degree = _check_int(degree, "degree", minimum=0)
+    degree = check_int(degree, "degree", minimum=0)
     if size == 1 and degree != 0:
         raise ValueError(f"degree must be 0 for a single rank; got {degree}")
     if size > 1 and not 1 <= degree <= size - 1:
@@ -176,15 +176,15 @@ def peer_clumping(
         raise ValueError(
             f"degree must be even when the number of ranks ({size}) is odd; got {degree}"
         )
-    seed = _check_int(seed, "seed", minimum=0)
+    seed = check_int(seed, "seed", minimum=0)
     if num_clusters is None:
         num_clusters = min(degree + 1, size)
-    num_clusters = _check_int(num_clusters, "num_clusters", minimum=1)
+    num_clusters = check_int(num_clusters, "num_clusters", minimum=1)
     if num_clusters > size:
         raise ValueError(
             f"num_clusters must be <= the number of ranks ({size}); got {num_clusters}"
         )
-    iterations = _check_int(iterations, "iterations", minimum=1)
+    iterations = check_int(iterations, "iterations", minimum=1)
 
     rng = np.random.default_rng(seed)
     clusters = _kmeans(points, num_clusters, rng, iterations)
@@ -197,6 +197,6 @@ def peer_clumping(
             adj[rank, other] = adj[other, rank] = True
     name = f"peer_clumping({size}, degree={degree}, num_clusters={num_clusters}, seed={seed})"
     return PeerClumping(
-        topology=Topology(_metropolis_hastings_matrix(adj), name=name),
+        topology=Topology(metropolis_hastings_matrix(adj), name=name),
         clusters=tuple(int(c) for c in clusters),
     )

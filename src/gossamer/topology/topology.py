@@ -13,7 +13,7 @@ from gossamer.errors import TopologyError
 __all__ = ["Topology"]
 
 
-def _check_int(value: object, name: str, *, minimum: int | None = None) -> int:
+def check_int(value: object, name: str, *, minimum: int | None = None) -> int:
     """Return ``value`` as an ``int`` or raise naming ``name``; bools are rejected."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name} must be an int; got {value!r} of type {type(value).__name__}")
@@ -22,15 +22,15 @@ def _check_int(value: object, name: str, *, minimum: int | None = None) -> int:
     return int(value)
 
 
-def _check_rank(value: object, size: int, name: str = "rank") -> int:
+def check_rank(value: object, size: int, name: str = "rank") -> int:
     """Return ``value`` as a rank in ``[0, size)`` or raise naming ``name``."""
-    rank = _check_int(value, name)
+    rank = check_int(value, name)
     if not 0 <= rank < size:
         raise ValueError(f"{name} must be in [0, {size}) for size {size}; got {rank}")
     return rank
 
 
-def _as_weight_matrix(weights: Any, name: str) -> np.ndarray:
+def as_weight_matrix(weights: Any, name: str) -> np.ndarray:
     """Return a float64 copy of ``weights`` after checking it is a valid weight matrix."""
     # numpy would quietly turn None into NaN and "1" into 1.0.
     if weights is None or isinstance(weights, str | bytes):
@@ -95,7 +95,7 @@ class Topology:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a str; got {self.name!r}")
-        arr = _as_weight_matrix(self.weights, "weights")
+        arr = as_weight_matrix(self.weights, "weights")
         arr.setflags(write=False)
         # The dataclass is frozen, so the validated copy has to bypass __setattr__.
         object.__setattr__(self, "weights", arr)
@@ -138,7 +138,7 @@ class Topology:
             TypeError: ``rank`` is not an int.
             ValueError: ``rank`` is outside ``[0, size)``.
         """
-        rank = _check_rank(rank, self.size)
+        rank = check_rank(rank, self.size)
         return tuple(int(i) for i in np.flatnonzero(self.weights[:, rank]) if i != rank)
 
     def out_neighbors(self, rank: int) -> tuple[int, ...]:
@@ -154,7 +154,7 @@ class Topology:
             TypeError: ``rank`` is not an int.
             ValueError: ``rank`` is outside ``[0, size)``.
         """
-        rank = _check_rank(rank, self.size)
+        rank = check_rank(rank, self.size)
         return tuple(int(j) for j in np.flatnonzero(self.weights[rank, :]) if j != rank)
 
     def in_degree(self, rank: int) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from gossamer.errors import TopologyError
-from gossamer.topology.topology import Topology, _as_weight_matrix
+from gossamer.topology.topology import Topology, as_weight_matrix
 
 __all__ = [
     "is_column_stochastic",
@@ -27,7 +27,7 @@ def _as_adjacency(adjacency: Topology | Any) -> np.ndarray:
     """Return a boolean edge matrix without diagonal from a Topology or a 0/1 matrix."""
     if isinstance(adjacency, Topology):
         return adjacency.adjacency
-    arr = _as_weight_matrix(adjacency, "adjacency")
+    arr = as_weight_matrix(adjacency, "adjacency")
     bad = np.argwhere((arr != 0) & (arr != 1))
     if bad.size:
         i, j = (int(x) for x in bad[0])
@@ -43,7 +43,7 @@ def _as_matrix(matrix: Topology | Any, name: str) -> np.ndarray:
     """Return the weight matrix of a Topology, or validate an array-like one."""
     if isinstance(matrix, Topology):
         return matrix.weights
-    return _as_weight_matrix(matrix, name)
+    return as_weight_matrix(matrix, name)
 
 
 def _check_atol(atol: float) -> float:
@@ -54,7 +54,7 @@ def _check_atol(atol: float) -> float:
     return float(atol)
 
 
-def _metropolis_hastings_matrix(adj: np.ndarray) -> np.ndarray:
+def metropolis_hastings_matrix(adj: np.ndarray) -> np.ndarray:
     """Return Metropolis-Hastings weights for a symmetric boolean matrix without diagonal."""
     not_symmetric = np.argwhere(adj != adj.T)
     if not_symmetric.size:
@@ -113,7 +113,7 @@ def metropolis_hastings_weights(adjacency: Topology | Any) -> Topology:
         TypeError: ``adjacency`` cannot be converted to a matrix.
         gossamer.errors.TopologyError: ``adjacency`` is not square, not 0/1 or not symmetric.
     """
-    weights = _metropolis_hastings_matrix(_as_adjacency(adjacency))
+    weights = metropolis_hastings_matrix(_as_adjacency(adjacency))
     return Topology(weights, name="metropolis_hastings_weights")
 
 

@@ -11,8 +11,6 @@ directed graph (Kempe et al., 2003).
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -26,6 +24,7 @@ from gossamer.topology import Topology
 from gossamer.transport import Handle, check_rank, check_weight, check_weights
 from gossamer.windows.locks import local_locks, remote_locks
 from gossamer.windows.registry import registry
+from gossamer.windows.requests import issue
 from gossamer.windows.service import WINDOW_DTYPES, Kind, WindowState
 
 __all__ = ["Window", "live_windows"]
@@ -37,34 +36,6 @@ def live_windows() -> list[str]:
         return []
     found = context.runtime().find("windows")
     return [] if found is None else found.names()
-
-
-def _when_all(posted: list, finish, done: concurrent.futures.Future) -> None:
-    """Complete ``done`` (after ``finish``) once every posted request is answered."""
-    left = [len(posted)]
-    keep = [sends for _, sends in posted]  # the send buffers must outlive the sends
-    lock = threading.Lock()  # callbacks run on the progress thread or, if done, right here
-
-    def one(future: concurrent.futures.Future) -> None:
-        error = future.exception()
-        with lock:
-            if done.done():
-                return
-            if error is not None:
-                done.set_exception(error)
-                return
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            keep.clear()
-            try:
-                finish()
-                done.set_result(None)
-            except BaseException as err:
-                done.set_exception(err)
-
-    for future, _ in posted:
-        future.add_done_callback(one)
 
 
 class Window:
@@ -253,51 +224,6 @@ class Window:
                 state.p_buffers[src] = float(p)
 
     # ------------------------------------------------------------------ operations
-    def _issue(
-        self, what: str, requests: list, require_mutex: bool, finish, async_op: bool
-    ) -> Handle | None:
-        """Send ``requests`` ``(peer, kind, payload, value)``; run ``finish`` once all land.
-
-        Requests are posted in call order from one thread. Without a mutex they are all in
-        flight at once (and later operations may be posted before they complete); with
-        ``require_mutex`` each takes its peer's mutex first, one at a time.
-        """
-        state = self._require()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-
-        windows = registry()
-
-        def post() -> None:
-            svc = windows.service
-            try:
-                if svc is None or not requests:
-                    finish()
-                    done.set_result(None)
-                elif require_mutex:
-                    for peer, kind, payload, value in requests:
-                        with remote_locks(svc, state, [peer]):
-                            future, sends = svc.request(
-                                kind, peer, state.wid, payload=payload, value=value
-                            )
-                            svc.wait(what, peer, future, sends)
-                    finish()
-                    done.set_result(None)
-                else:
-                    posted = [
-                        svc.request(kind, peer, state.wid, payload=payload, value=value)
-                        for peer, kind, payload, value in requests
-                    ]
-                    _when_all(posted, finish, done)
-            except BaseException as err:  # handed to the caller through the handle
-                done.set_exception(err)
-
-        if context.size() == 1:
-            post()
-        else:
-            windows.client().submit(post)
-        handle = Handle(done, what, context.timeout())
-        return handle if async_op else handle.wait()
-
     def _targets(self, weights, what: str) -> dict[int, float]:
         me, n = context.rank(), context.size()
         if weights is None:
@@ -339,7 +265,7 @@ class Window:
                 if state.push_sum:
                     state.p *= sw
 
-        return self._issue(what, requests, require_mutex, finish, async_op)
+        return issue(self._require(), what, requests, require_mutex, finish, async_op)
 
     def put(
         self,
@@ -414,7 +340,7 @@ class Window:
                         state.buffers[src].mul_(w)
 
         requests = [(src, Kind.GET, None, 0.0) for src in sorted(srcs)]
-        return self._issue(what, requests, require_mutex, finish, async_op)
+        return issue(self._require(), what, requests, require_mutex, finish, async_op)
 
     def update(
         self,
