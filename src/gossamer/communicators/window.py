@@ -75,6 +75,12 @@ class _WindowGossip(Scheduled):
             return dict.fromkeys(window.out_neighbors, share)
         return {d: w * share for d, w in self.step.dst_weights.items()}
 
+    def start(self, flat: torch.Tensor, index: int = 0) -> Pending | None:
+        """This round on bucket ``index`` (window rounds have no global-average variant)."""
+        if context.size() == 1:
+            return None
+        return self._start(flat, index)
+
     def close(self) -> None:
         """Free the windows (collective)."""
         windows, self.windows = self.windows, []
@@ -91,12 +97,6 @@ class WindowPutGossip(_WindowGossip):
     """
 
     name = "window_put"
-
-    def start(self, flat: torch.Tensor, index: int = 0) -> Pending | None:
-        """Put bucket ``index`` (in flight on return); ``wait()`` gives the combine."""
-        if context.size() == 1:
-            return None
-        return self._start(flat, index)
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         window = self.windows[index]
@@ -131,12 +131,6 @@ class PushSumGossip(_WindowGossip):
 
     name = "push_sum"
     push_sum = True
-
-    def start(self, flat: torch.Tensor, index: int = 0) -> Pending | None:
-        """One push-sum exchange of bucket ``index``; done on return."""
-        if context.size() == 1:
-            return None
-        return self._start(flat, index)
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         window = self.windows[index]

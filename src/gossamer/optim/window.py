@@ -25,22 +25,44 @@ from gossamer.topology import Step, Topology
 __all__ = ["PushSum", "WindowPut"]
 
 
-def _gossip(
-    cls: type,
-    owner: str,
-    communication: str | None,
-    topology: Topology | None,
-    schedule: Iterator[Step] | None,
-) -> WindowPutGossip | PushSumGossip:
-    if communication not in (None, "neighbor_allreduce"):
-        raise ValueError(
-            f"{owner} communicates through windows; communication must be "
-            f"'neighbor_allreduce'; got {communication!r}"
-        )
-    return cls(topology, schedule=schedule)
+class _OverWindows:
+    """Builds the window communicator of a window optimizer (a mixin before its base).
+
+    ``communication`` is accepted for symmetry with the other optimizers and must be
+    ``"neighbor_allreduce"`` (or None).
+    """
+
+    gossip: type[WindowPutGossip | PushSumGossip]
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model,
+        *,
+        topology: Topology | None = None,
+        schedule: Iterator[Step] | None = None,
+        communication: str | None = None,
+        **kwargs,
+    ) -> None:
+        if communication not in (None, "neighbor_allreduce"):
+            raise ValueError(
+                f"{type(self).__name__} communicates through windows; communication must be "
+                f"'neighbor_allreduce'; got {communication!r}"
+            )
+        gossip = self.gossip(topology, schedule=schedule)
+        super().__init__(optimizer, model, communicator=gossip, **kwargs)  # type: ignore[call-arg]
+
+    @property
+    def windows(self) -> list:
+        """The optimizer's windows, one per bucket."""
+        return self.communicator.windows  # type: ignore[attr-defined]
+
+    def free(self) -> None:
+        """Free the windows (collective); the optimizer cannot communicate afterwards."""
+        self.close()  # type: ignore[attr-defined]
 
 
-class WindowPut(AdaptWithCombine):
+class WindowPut(_OverWindows, AdaptWithCombine):
     """Put the parameters to the out-neighbours after forward; combine what arrived at step.
 
     Args:
@@ -57,20 +79,8 @@ class WindowPut(AdaptWithCombine):
         >>> opt.free()       # collective, when training is over
     """
 
+    gossip = WindowPutGossip
     warn_on_second_forward = False
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        model,
-        *,
-        topology: Topology | None = None,
-        schedule: Iterator[Step] | None = None,
-        communication: str | None = None,
-        **kwargs,
-    ) -> None:
-        gossip = _gossip(WindowPutGossip, "WindowPut", communication, topology, schedule)
-        super().__init__(optimizer, model, communicator=gossip, **kwargs)
 
     def synchronize(self) -> None:
         """Wait for this rank's puts in flight (the combine waits for :meth:`step`)."""
@@ -89,17 +99,8 @@ class WindowPut(AdaptWithCombine):
         self.steps += 1
         return self.optimizer.step(closure)
 
-    @property
-    def windows(self) -> list:
-        """The optimizer's windows, one per bucket."""
-        return self.communicator.windows
 
-    def free(self) -> None:
-        """Free the windows (collective); the optimizer cannot communicate afterwards."""
-        self.close()
-
-
-class PushSum(DecentralizedOptimizer):
+class PushSum(_OverWindows, DecentralizedOptimizer):
     r"""Asynchronous push-sum SGD over windows (works on directed graphs).
 
     The windows hold :math:`x_i = p_i z_i`; the parameters hold :math:`z_i`, which the
@@ -113,18 +114,7 @@ class PushSum(DecentralizedOptimizer):
         >>> opt.step()       # local step, push shares of (x, p), add what arrived
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        model,
-        *,
-        topology: Topology | None = None,
-        schedule: Iterator[Step] | None = None,
-        communication: str | None = None,
-        **kwargs,
-    ) -> None:
-        gossip = _gossip(PushSumGossip, "PushSum", communication, topology, schedule)
-        super().__init__(optimizer, model, communicator=gossip, **kwargs)
+    gossip = PushSumGossip
 
     def step(self, closure=None):
         """Local step, then (on communication steps) push shares and collect."""
@@ -136,12 +126,3 @@ class PushSum(DecentralizedOptimizer):
         for index, bucket in enumerate(self.buckets):
             bucket.unpack(self.communicator.start(bucket.pack(), index).wait(), lambda p: p.data)
         return loss
-
-    @property
-    def windows(self) -> list:
-        """The optimizer's windows, one per bucket."""
-        return self.communicator.windows
-
-    def free(self) -> None:
-        """Free the windows (collective); the optimizer cannot communicate afterwards."""
-        self.close()

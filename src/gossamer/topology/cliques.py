@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from gossamer.topology.topology import Topology, check_int, check_rank
+from gossamer.topology.topology import Topology, as_finite_matrix, check_int, check_rank
 from gossamer.topology.weights import metropolis_hastings_matrix
 
 __all__ = ["DCliques", "d_cliques"]
@@ -44,18 +44,9 @@ class DCliques:
 
 def _as_histograms(label_histograms: Any) -> np.ndarray:
     """Return the rows of ``label_histograms`` normalised to distributions, or raise."""
-    if label_histograms is None or isinstance(label_histograms, str | bytes):
-        raise TypeError(f"label_histograms must be a 2-D array of counts; got {label_histograms!r}")
-    try:
-        counts = np.array(label_histograms, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"label_histograms must be a 2-D array of counts; got {exc}") from exc
-    if counts.ndim != 2 or counts.shape[0] == 0 or counts.shape[1] == 0:
-        raise ValueError(
-            f"label_histograms must be 2-D (ranks x classes), non-empty; got shape {counts.shape}"
-        )
-    if not np.all(np.isfinite(counts)) or np.any(counts < 0):
-        raise ValueError("label_histograms must be finite and >= 0")
+    counts = as_finite_matrix(label_histograms, "label_histograms", "ranks x classes")
+    if np.any(counts < 0):
+        raise ValueError("label_histograms must be finite and >= 0; got a negative count")
     totals = counts.sum(axis=1)
     if np.any(totals <= 0):
         raise ValueError(f"label_histograms row {int(np.argmin(totals))} is all zero: no labels")

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from gossamer.topology.topology import Topology, check_int, check_rank
+from gossamer.topology.topology import Topology, as_finite_matrix, check_int, check_rank
 from gossamer.topology.weights import metropolis_hastings_matrix
 
 __all__ = ["PeerClumping", "peer_clumping"]
@@ -40,20 +40,7 @@ class PeerClumping:
 
 
 def _as_features(features: Any) -> np.ndarray:
-    # A torch tensor, recognised without importing torch: topology stays pure numpy.
-    if all(hasattr(features, name) for name in ("detach", "cpu", "numpy")):
-        features = features.detach().cpu().numpy()
-    if features is None or isinstance(features, str | bytes):
-        raise TypeError(f"features must be a 2-D array of numbers; got {features!r}")
-    try:
-        arr = np.array(features, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"features must be a 2-D array of numbers; got {exc}") from exc
-    if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
-        raise ValueError(f"features must be 2-D (ranks x d), non-empty; got shape {arr.shape}")
-    if not np.all(np.isfinite(arr)):
-        raise ValueError("features must be finite; got a NaN or an infinity")
-    return arr
+    return as_finite_matrix(features, "features", "ranks x d")
 
 
 def _kmeans(points: np.ndarray, k: int, rng: np.random.Generator, iterations: int) -> np.ndarray:

@@ -30,6 +30,24 @@ def check_rank(value: object, size: int, name: str = "rank") -> int:
     return rank
 
 
+def as_finite_matrix(value: Any, name: str, what: str) -> np.ndarray:
+    """``value`` as a non-empty, finite 2-D float64 array (``what`` names its axes), or raise."""
+    # A torch tensor, recognised without importing torch: topology stays pure numpy.
+    if all(hasattr(value, attr) for attr in ("detach", "cpu", "numpy")):
+        value = value.detach().cpu().numpy()
+    if value is None or isinstance(value, str | bytes):
+        raise TypeError(f"{name} must be a 2-D array of numbers; got {value!r}")
+    try:
+        arr = np.array(value, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be a 2-D array of numbers; got {exc}") from exc
+    if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"{name} must be 2-D ({what}), non-empty; got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} must be finite; got a NaN or an infinity")
+    return arr
+
+
 def as_weight_matrix(weights: Any, name: str) -> np.ndarray:
     """Return a float64 copy of ``weights`` after checking it is a valid weight matrix."""
     # numpy would quietly turn None into NaN and "1" into 1.0.
