@@ -7,9 +7,11 @@ acknowledgement. The target never has to call anything for a put to land.
 
 Every message is a :class:`~gossamer.transport.Header` (the same codec as the operations')
 on one tag, received from any source; each payload travels on a tag of its own request, so
-concurrent requests never mix. The progress thread only posts
-non-blocking sends, so two ranks answering each other cannot deadlock. It stops on a STOP
-message from its predecessor in a ring (stopping is collective), never on a timeout.
+concurrent requests never mix. The progress thread only posts non-blocking sends, so two
+ranks answering each other cannot deadlock; a second thread waits for those sends in order
+and then drops them (a gloo send reports completion only to ``wait``, so the sends cannot be
+polled). It stops on a STOP message from its predecessor in a ring (stopping is collective),
+never on a timeout.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -107,11 +110,16 @@ class Service:
         self.windows: dict[int, WindowState] = {}
         self._ids = itertools.count(1)
         self._pending: dict[int, concurrent.futures.Future] = {}
-        self._sends: list[tuple] = []
+        # The progress thread's sends, oldest first, until the reaper has waited for them.
+        self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._broken: Exception | None = None
         self._thread = threading.Thread(target=self._serve, name="gossamer-windows", daemon=True)
         self._thread.start()
+        self._reaper = threading.Thread(
+            target=self._reap, name="gossamer-windows-reaper", daemon=True
+        )
+        self._reaper.start()
 
     # ----------------------------------------------------------------- origin side
     def request(
@@ -216,14 +224,27 @@ class Service:
     def _post(self, dst: int, *tensors_and_tags: object) -> None:
         """Non-blocking sends from the progress thread (kept alive until they complete)."""
         head = tensors_and_tags[0]
-        # Called from the progress thread and from release() on any thread: a dropped Work
-        # would cancel its send, so the list is only changed under the lock.
-        with self._lock:
-            self._sends.append((self.group.send([head], dst, _HEADER_TAG), head))
-            if len(tensors_and_tags) > 1:
-                payload, tag = tensors_and_tags[1], tensors_and_tags[2]
-                self._sends.append((self.group.send([payload], dst, tag), payload))
-            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        # Called from the progress thread and from release() on any thread. A dropped Work
+        # would cancel its send, so each one stays queued until the reaper has waited for it.
+        self._sends.put((self.group.send([head], dst, _HEADER_TAG), head))
+        if len(tensors_and_tags) > 1:
+            payload, tag = tensors_and_tags[1], tensors_and_tags[2]
+            self._sends.put((self.group.send([payload], dst, tag), payload))
+
+    def _reap(self) -> None:
+        """Wait for the progress thread's sends in order and drop them (until ``None``).
+
+        ``Work.is_completed()`` of a gloo send stays False until ``wait`` is called, so the
+        sends cannot be polled (and a ``wait`` with a timeout closes the group's pairs when
+        it expires). A blocking ``wait`` is safe here, off the progress thread: a peer's
+        progress thread keeps a header receive posted while it runs.
+        """
+        while (item := self._sends.get()) is not None:
+            work, _ = item
+            try:
+                work.wait()
+            except RuntimeError as err:  # the peer is gone; its requester reports that
+                logger.debug("window service: a send from rank %d failed: %s", self.rank, err)
 
     def _recv_payload(self, src: int, req: int, out: torch.Tensor) -> None:
         self.group.recv([out], src, _PAYLOAD_TAG_BASE + req % (1 << 30)).wait()
@@ -372,3 +393,4 @@ class Service:
         self._thread.join(timeout=context.timeout())
         if self._thread.is_alive():
             logger.warning("window service thread of rank %d did not stop", self.rank)
+        self._sends.put(None)  # the reaper ends once the sends before it are done
