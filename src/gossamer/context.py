@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from gossamer import env
+from gossamer import env, profiling
 from gossamer.errors import NotInitializedError
 
 __all__ = [
@@ -217,6 +217,14 @@ def _discover_layout(settings: env.Settings, group: dist.ProcessGroup) -> Layout
     return Layout(rank=me, machine_of=tuple(index[k] for k in keys))
 
 
+def _gather_on_host(obj: object) -> list[object] | None:
+    """Every rank's ``obj`` in rank order on rank 0 (None elsewhere): a host-group collective."""
+    state = _require()
+    gathered: list[object] | None = [None] * state.layout.size if state.layout.rank == 0 else None
+    dist.gather_object(obj, gathered, dst=0, group=state.host_group)
+    return gathered
+
+
 def init(*, backend: str | None = None, timeout: float | None = None) -> None:
     """Join the job: set up ``torch.distributed`` and learn the rank layout.
 
@@ -276,9 +284,8 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> None:
         timeout=timeout,
         owns_process_group=owns,
     )
-    from gossamer.profiling import timeline  # lazily: profiling sits above context
-
-    timeline.maybe_start_from_env()
+    profiling.attach(found.rank, found.size, _gather_on_host)
+    profiling.maybe_start_from_env()
     logger.debug("initialized rank %d of %d (%s)", _state.layout.rank, _state.layout.size, resolved)
 
 
@@ -289,6 +296,7 @@ def shutdown() -> None:
         for hook in reversed(_shutdown_hooks):
             hook()
         _state.close()
+        profiling.detach()
     state, _state = _state, None
     if state is not None and state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -1,4 +1,6 @@
+import ast
 import json
+import pathlib
 import subprocess
 import sys
 import threading
@@ -6,7 +8,8 @@ from collections import defaultdict
 
 import pytest
 
-from gossamer.profiling import timeline
+import gossamer.profiling
+from gossamer.profiling import session, spans, timeline, trace
 
 
 @pytest.fixture(autouse=True)
@@ -167,8 +170,8 @@ def test_off_records_nothing_and_writes_no_file(tmp_path):
         with timeline.record("op", "communicating"), timeline.activity("a", "b"):
             timeline.start_activity("a", "c")
             timeline.end_activity("a")
-    assert timeline._events == []
-    assert timeline._open == {}
+    assert spans._events == []
+    assert spans._open == {}
     assert timeline.stop_timeline() == []
     assert list(tmp_path.iterdir()) == []
 
@@ -217,8 +220,8 @@ def test_starting_twice_and_bad_arguments_raise(tmp_path):
     ],
 )
 def test_file_names(path, rank_file, merged_file):
-    assert str(timeline._rank_file(path, 3)) == rank_file
-    assert str(timeline._merged_file(path)) == merged_file
+    assert str(trace._rank_file(path, 3)) == rank_file
+    assert str(trace._merged_file(path)) == merged_file
 
 
 def test_merged_in_a_single_process_writes_one_file(tmp_path):
@@ -230,8 +233,8 @@ def test_merged_in_a_single_process_writes_one_file(tmp_path):
 
 
 def write_rank_trace(path, rank, origin_ns, spans):
-    events = timeline._render(spans, rank, 0)
-    timeline._write(path, timeline._document(events, {rank: origin_ns}))
+    events = trace._render(spans, rank, 0)
+    trace._write(path, trace._document(events, {rank: origin_ns}))
 
 
 def test_merge_traces_aligns_the_ranks_clocks(tmp_path):
@@ -276,3 +279,88 @@ def test_a_timeline_left_on_is_written_at_exit(tmp_path):
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "exit")], check=True, timeout=120)
     rows = check_well_formed(load(tmp_path / "exit.rank0.json"))
     assert rows == {("rank 0", "row"): ["open"]}
+
+
+def test_attach_names_the_rank_and_gathers_the_merged_trace(tmp_path, monkeypatch):
+    monkeypatch.setattr(session, "_world", session._World())  # restored after the test
+    gossamer.profiling.attach(3, 4)
+    with timeline.tracing(tmp_path / "a"), timeline.activity("x", "y"):
+        pass
+    assert [p.name for p in tmp_path.iterdir()] == ["a.rank3.json"]
+
+    sent = []
+
+    def gather_on_rank_zero(part):
+        sent.append(part)
+        other = (1, part[1] + 1000, trace._render([("x", "z", 5, 6, None)], 1, 0))
+        return [part, other]
+
+    gossamer.profiling.attach(0, 2, gather_on_rank_zero)
+    with timeline.tracing(tmp_path / "m", merged=True), timeline.activity("x", "y"):
+        pass
+    assert [part[0] for part in sent] == [0]
+    assert sorted(check_well_formed(load(tmp_path / "m.json"))) == [
+        ("rank 0", "x"),
+        ("rank 1", "x"),
+    ]
+
+    gossamer.profiling.attach(1, 2, lambda part: None)  # not rank 0: nothing to write
+    timeline.start_timeline(tmp_path / "n", merged=True)
+    assert timeline.stop_timeline() == []
+
+    # Detached (after shutdown): no gather, but the rank still names the files.
+    gossamer.profiling.detach()
+    timeline.start_timeline(tmp_path / "d", merged=True)
+    assert timeline.stop_timeline() == [tmp_path / "d.json"]
+    timeline.start_timeline(tmp_path / "d")
+    assert timeline.stop_timeline() == [tmp_path / "d.rank1.json"]
+    with pytest.raises(ValueError, match="rank"):
+        gossamer.profiling.attach(2, 2)
+
+
+ALLOWED_GOSSAMER_IMPORTS = ("gossamer.env", "gossamer.errors", "gossamer.profiling")
+
+
+def _imported_modules(path, package):
+    """Every module an ``import`` or ``from ... import`` in ``path`` names, resolved."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: "." is the package, ".." its parent
+                parent = package.rsplit(".", node.level - 1)[0]
+                base = f"{parent}.{base}" if base else parent
+            # "from gossamer import context" imports gossamer.context, not just gossamer.
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def test_the_import_check_sees_every_kind_of_import(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import gossamer.ops\nfrom gossamer import context\nfrom .. import topology\n"
+        "from .spans import record\n\ndef lazy():\n    from gossamer.env import settings\n"
+    )
+    assert list(_imported_modules(probe, "gossamer.profiling")) == [
+        "gossamer.ops",
+        "gossamer.context",
+        "gossamer.topology",
+        "gossamer.profiling.spans.record",
+        "gossamer.env.settings",
+    ]
+
+
+def test_profiling_imports_no_other_part_of_gossamer():
+    root = pathlib.Path(gossamer.profiling.__file__).parent
+    modules = sorted(root.rglob("*.py"))
+    assert {m.name for m in modules} >= {"__init__.py", "spans.py", "trace.py", "session.py"}
+    wrong = [
+        f"{path.relative_to(root)}: {name}"
+        for path in modules
+        for name in _imported_modules(
+            path, ".".join(("gossamer.profiling", *path.relative_to(root).parent.parts))
+        )
+        if name.split(".")[0] == "gossamer"
+        and not any(name == ok or name.startswith(f"{ok}.") for ok in ALLOWED_GOSSAMER_IMPORTS)
+    ]
+    assert wrong == []

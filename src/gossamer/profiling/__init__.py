@@ -1,6 +1,9 @@
 """Profiling: a Chrome-trace timeline of gossamer's operations and of user activities.
 
-See :mod:`gossamer.profiling.timeline` for the file layout.
+See :mod:`gossamer.profiling.timeline` for the file layout. This package imports nothing of
+gossamer but :mod:`gossamer.env` and :mod:`gossamer.errors`: the runtime tells it about the
+job through :func:`attach` and :func:`detach`, which are for :func:`gossamer.init` and
+:func:`gossamer.shutdown`, not for users.
 
 Example:
     >>> from gossamer import profiling
@@ -11,20 +14,21 @@ Example:
 
 from __future__ import annotations
 
-from gossamer.profiling.timeline import (
-    activity,
-    end_activity,
+from gossamer.profiling.session import (
+    attach,
+    detach,
     maybe_start_from_env,
-    merge_traces,
-    start_activity,
     start_timeline,
     stop_timeline,
-    timeline_enabled,
     tracing,
 )
+from gossamer.profiling.spans import activity, end_activity, start_activity, timeline_enabled
+from gossamer.profiling.trace import merge_traces
 
 __all__ = [
     "activity",
+    "attach",
+    "detach",
     "end_activity",
     "maybe_start_from_env",
     "merge_traces",

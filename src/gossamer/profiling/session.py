@@ -1,0 +1,231 @@
+"""Starting and stopping the timeline, and its binding to the process of the job.
+
+This package never imports the runtime: :func:`gossamer.init` calls :func:`attach` with this
+process's rank, the size of the world and a collective that gathers one object from every rank
+to rank 0, and :func:`gossamer.shutdown` calls :func:`detach`. Unattached, the timeline is
+rank 0 of a world of one; detached, it is a world of one that keeps the rank attached last,
+since a timeline left on is written at interpreter exit, after shutdown.
+
+Example:
+    >>> from gossamer.profiling import session
+    >>> with session.tracing("/tmp/trace"):  # doctest: +SKIP
+    ...     gossamer.neighbor_allreduce(x)
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pathlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from gossamer import env
+from gossamer.profiling import spans, trace
+
+__all__ = [
+    "attach",
+    "detach",
+    "maybe_start_from_env",
+    "start_timeline",
+    "stop_timeline",
+    "tracing",
+]
+
+# Sends one picklable object from every rank to rank 0: the list in rank order there, else None.
+Gather = Callable[[object], list[Any] | None]
+
+
+@dataclass(frozen=True)
+class _World:
+    """This process as the runtime last described it."""
+
+    rank: int = 0
+    size: int = 1
+    gather: Gather | None = None
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One start of the timeline: where to write, and the clocks at its ``ts = 0``."""
+
+    path: str = ""
+    merged: bool = False
+    anchor_ns: int = 0  # time.time_ns(), to align ranks when merging
+    origin_ns: int = 0  # perf_counter_ns() at the same moment: span times are relative to it
+
+
+_world = _World()
+_run = _Run()
+_lock = threading.Lock()  # guards starting and stopping
+_hooks_installed = False
+
+
+def attach(rank: int, size: int, gather: Gather | None = None) -> None:
+    """Tell the timeline which process of the job this is; for the runtime, not for users.
+
+    :func:`gossamer.init` calls it; this package does not import the runtime.
+
+    Args:
+        rank (int): this process's rank: it names the per-rank file and the trace process.
+        size (int): the number of ranks.
+        gather (Callable[[object], list | None], optional): a collective sending one
+            picklable object from every rank to rank 0, which gets the list in rank order
+            (the others get None). :func:`stop_timeline` calls it on every rank to write a
+            merged trace; without it a merged trace holds this rank only.
+
+    Raises:
+        ValueError: ``rank`` is not in ``range(size)``.
+
+    Example:
+        >>> attach(0, 1)  # doctest: +SKIP
+    """
+    global _world
+    if not 0 <= rank < size:
+        raise ValueError(f"rank must be in range(size); got rank={rank}, size={size}")
+    _world = _World(rank, size, gather)
+
+
+def detach() -> None:
+    """Forget the job at its shutdown; for the runtime, not for users.
+
+    :func:`gossamer.shutdown` calls it. A merged trace then holds this rank only, since the
+    process group is gone, but the rank attached last still names the files: a timeline left
+    on is written at interpreter exit, which may come after shutdown.
+
+    Example:
+        >>> detach()  # doctest: +SKIP
+    """
+    global _world
+    _world = _World(rank=_world.rank)
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    atexit.register(_write_at_exit)
+    # A forked child is not the rank: it must neither record nor overwrite the rank's file.
+    os.register_at_fork(after_in_child=spans._forget)
+    _hooks_installed = True
+
+
+def start_timeline(path: str | os.PathLike[str], *, merged: bool = False) -> None:
+    """Start recording; spans are written when :func:`stop_timeline` is called.
+
+    Args:
+        path (str | os.PathLike): file prefix. Rank ``k`` writes ``<path>.rank<k>.json``
+            (``<path>`` without a trailing ``.json``), or ``path`` with ``{rank}`` replaced.
+        merged (bool): write one file, ``<path>.json``, on rank 0 instead: every rank's
+            spans are gathered at :func:`stop_timeline`, which is then collective.
+
+    Raises:
+        TypeError: ``path`` is not a path or ``merged`` not a bool.
+        ValueError: ``path`` is empty.
+        RuntimeError: the timeline is already on.
+
+    Example:
+        >>> start_timeline("/tmp/trace")  # doctest: +SKIP
+    """
+    global _run
+    text = trace._check_path(path, "path")
+    if not isinstance(merged, bool):
+        raise TypeError(f"merged must be a bool; got {merged!r}")
+    with _lock:
+        if spans.timeline_enabled():
+            raise RuntimeError(
+                f"the timeline is already on (writing to {_run.path!r}); call stop_timeline() first"
+            )
+        _install_hooks()
+        _run = _Run(text, merged, anchor_ns=time.time_ns(), origin_ns=spans._now())
+        spans._switch_on()
+
+
+def _take() -> tuple[_Run, trace._Part]:
+    """Switch recording off; hand over the run and this rank's spans, rendered."""
+    with _lock:
+        run, recorded = _run, spans._switch_off()
+    rank = _world.rank
+    return run, (rank, run.anchor_ns, trace._render(recorded, rank, run.origin_ns))
+
+
+def stop_timeline() -> list[pathlib.Path]:
+    """Stop recording and write the trace; does nothing if the timeline is off.
+
+    With ``merged=True`` this is a collective over gossamer's host process group
+    (``torch.distributed.gather_object`` to rank 0): call it on every rank at the same point
+    of the program, with no asynchronous operation pending (wait their handles first).
+
+    Returns:
+        list[pathlib.Path]: the files this rank wrote (none on ranks > 0 when merged).
+
+    Raises:
+        OSError: the file could not be written.
+
+    Example:
+        >>> stop_timeline()  # doctest: +SKIP
+        [PosixPath('/tmp/trace.rank0.json')]
+    """
+    if not spans.timeline_enabled():
+        return []
+    run, part = _take()
+    if not run.merged:
+        return [trace._write_rank(run.path, part)]
+    parts = [part]
+    world = _world
+    if world.gather is not None and world.size > 1:
+        gathered = world.gather(part)
+        if gathered is None:  # not rank 0, which writes the file
+            return []
+        parts = list(gathered)
+    return [trace._write(trace._merged_file(run.path), trace._merge(parts))]
+
+
+def _write_at_exit() -> None:
+    if not spans.timeline_enabled():
+        return
+    run, part = _take()
+    # Per-rank even when merged was asked for: the other ranks may be gone by now.
+    trace._write_rank(run.path, part)
+
+
+@contextlib.contextmanager
+def tracing(path: str | os.PathLike[str], *, merged: bool = False) -> Iterator[None]:
+    """Record a timeline for the duration of a ``with`` block.
+
+    Args:
+        path (str | os.PathLike): as for :func:`start_timeline`.
+        merged (bool): as for :func:`start_timeline` (the exit is then collective).
+
+    Example:
+        >>> with tracing("/tmp/trace"):  # doctest: +SKIP
+        ...     gossamer.neighbor_allreduce(x)
+    """
+    start_timeline(path, merged=merged)
+    try:
+        yield
+    finally:
+        stop_timeline()
+
+
+def maybe_start_from_env() -> bool:
+    """Start the timeline if ``GOSSAMER_TIMELINE`` names a path and it is not already on.
+
+    Called by :func:`gossamer.init`. The timeline started this way writes per-rank files.
+
+    Returns:
+        bool: True if this call started it.
+
+    Example:
+        >>> maybe_start_from_env()  # GOSSAMER_TIMELINE unset
+        False
+    """
+    path = env.settings().timeline
+    if path is None or spans.timeline_enabled():
+        return False
+    start_timeline(path)
+    return True
