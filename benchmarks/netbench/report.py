@@ -37,6 +37,7 @@ __all__ = [
 
 RING = ("ddp", "gradient-allreduce")
 EXP2 = ("awc/exp2", "atc/exp2", "win-put")
+ONE_PEER = ("atc/one-peer", "awc/one-peer", "raw/one-peer")
 
 
 def _exp2_offsets(n: int) -> list[int]:
@@ -59,7 +60,7 @@ def host_egress_bytes(strategy: str, model_bytes: float, ranks: int, per_host: i
     if strategy in EXP2:
         return max(sum(m for r in range(h * p, h * p + p) for o in offsets if off_host(r, o))
                    for h in range(hosts))  # fmt: skip
-    if strategy == "atc/one-peer":
+    if strategy in ONE_PEER:
         # The schedule cycles through the offsets; average over one cycle.
         per_offset = [
             max(sum(m for r in range(h * p, h * p + p) if off_host(r, o)) for h in range(hosts))

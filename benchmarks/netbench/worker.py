@@ -33,6 +33,8 @@ STRATEGIES = (
     "awc/exp2",
     "atc/exp2",
     "atc/one-peer",
+    "awc/one-peer",
+    "raw/one-peer",
     "hier-atc",
     "win-put",
 )
@@ -67,6 +69,45 @@ def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+class RawOnePeer:
+    """The reference row: after the local step, the flat model exchanged by hand.
+
+    Serial (no overlap): ``batch_isend_irecv`` of the flat parameters with the one-peer
+    exponential schedule's peer, in 32 chunks (one message per direction would serialise a
+    pair swap's two directions on one gloo pair), then the average written back. It is what
+    the wire allows, without gossamer's header, thread or combine.
+    """
+
+    def __init__(self, sgd: torch.optim.Optimizer, model: nn.Module) -> None:
+        self.sgd, self.params = sgd, list(model.parameters())
+        self.flat = torch.cat([p.detach().flatten() for p in self.params])
+        self.recv = torch.empty_like(self.flat)
+        graph = topo.exponential_two(gossamer.size())
+        self.schedule = topo.one_peer_exponential(graph, gossamer.rank())
+
+    def zero_grad(self) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``."""
+        self.sgd.zero_grad()
+
+    def step(self) -> None:
+        """Local step, then the exchange and the average."""
+        self.sgd.step()
+        torch.cat([p.detach().flatten() for p in self.params], out=self.flat)
+        step = next(self.schedule)
+        (dst,), (src,) = step.send_ranks, step.recv_ranks
+        sends, recvs = self.flat.tensor_split(32), self.recv.tensor_split(32)
+        ops = [dist.P2POp(dist.isend, c, dst, tag=k) for k, c in enumerate(sends)]
+        ops += [dist.P2POp(dist.irecv, c, src, tag=k) for k, c in enumerate(recvs)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        self.flat.add_(self.recv).div_(2)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
 def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
     """The model to call and the optimizer to step for ``strategy``, around ``sgd``."""
     size, rank = gossamer.size(), gossamer.rank()
@@ -83,6 +124,11 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
     if strategy == "atc/one-peer":
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
         return model, optim.AdaptThenCombine(sgd, model, schedule=schedule)
+    if strategy == "awc/one-peer":
+        schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
+        return model, optim.AdaptWithCombine(sgd, model, schedule=schedule)
+    if strategy == "raw/one-peer":
+        return model, RawOnePeer(sgd, model)
     if strategy == "hier-atc":
         gossamer.set_machine_topology(topo.exponential_two(gossamer.machine_size()))
         return model, optim.AdaptThenCombine(
