@@ -25,12 +25,17 @@ __all__ = [
     "ReduceOp",
     "allreduce",
     "alltoall",
+    "alltoall_v",
     "gather",
     "recv",
     "reduce",
     "reduce_scatter",
     "scatter",
+    "check_recv",
+    "reduce_op",
     "send",
+    "split_count",
+    "write_into",
 ]
 
 
@@ -61,7 +66,25 @@ _CALLS = ("allreduce", "reduce", "alltoall", "reduce_scatter", "gather", "scatte
 _MAGIC = 0xBA6A
 
 
-def _reduce_op(op: object) -> ReduceOp:
+def check_recv(recv_tensor: object, numel: int, name: str) -> None:
+    """Raise unless ``recv_tensor`` is a tensor of ``numel`` elements (before communicating)."""
+    if not isinstance(recv_tensor, torch.Tensor):
+        raise TypeError(f"{name}: recv_tensor must be a torch.Tensor; got {recv_tensor!r}")
+    if recv_tensor.numel() != numel:
+        raise ValueError(
+            f"{name}: recv_tensor must have {numel} elements; got {recv_tensor.numel()}"
+        )
+
+
+def write_into(recv_tensor: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    """Copy ``value`` into ``recv_tensor`` (same number of elements) for operation ``name``."""
+    check_recv(recv_tensor, value.numel(), name)
+    with torch.no_grad():
+        recv_tensor.copy_(value.reshape(recv_tensor.shape))
+
+
+def reduce_op(op: object) -> ReduceOp:
+    """``op`` as a :class:`ReduceOp`; ValueError naming the valid operations otherwise."""
     try:
         return ReduceOp(op)
     except ValueError:
@@ -109,7 +132,7 @@ def _reduce_into(out: torch.Tensor, op: ReduceOp, group, name: str) -> None:
 
 def allreduce(tensor: torch.Tensor, op: ReduceOp, group=None) -> torch.Tensor:
     """``op`` over every rank's ``tensor``, elementwise; out of place, every rank gets it."""
-    op = _reduce_op(op)
+    op = reduce_op(op)
     check_tensor(tensor, DTYPES, "allreduce")
     _check_op_dtype(op, tensor, "allreduce")
     group_rank(group)
@@ -125,7 +148,7 @@ def allreduce(tensor: torch.Tensor, op: ReduceOp, group=None) -> torch.Tensor:
 
 def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp, group=None) -> torch.Tensor:
     """``op`` over every rank's ``tensor``; the result is meaningful on ``dst`` only."""
-    op = _reduce_op(op)
+    op = reduce_op(op)
     check_tensor(tensor, DTYPES, "reduce")
     _check_op_dtype(op, tensor, "reduce")
     check_rank(dst, "dst", group_size(group))
@@ -144,7 +167,8 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp, group=None) -> torch.Te
     return transport.run("reduce", body, False)
 
 
-def _split_count(tensor: torch.Tensor, size: int, name: str, what: str) -> int:
+def split_count(tensor: torch.Tensor, size: int, name: str, what: str) -> int:
+    """``tensor.numel() // size``; ValueError (naming ``what``) if it does not divide."""
     if tensor.numel() % size:
         raise ValueError(
             f"{name}: {what} must have a multiple of the group size ({size}) elements; "
@@ -159,7 +183,7 @@ def alltoall(tensor: torch.Tensor, group=None) -> torch.Tensor:
     Chunk ``i`` of the 1-D result came from rank ``i``.
     """
     check_tensor(tensor, DTYPES, "alltoall")
-    _split_count(tensor, group_size(group), "alltoall", "send_tensor")
+    split_count(tensor, group_size(group), "alltoall", "send_tensor")
 
     def body() -> torch.Tensor:
         _check_same("alltoall", tensor, group)
@@ -172,12 +196,69 @@ def alltoall(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return transport.run("alltoall", body, False)
 
 
+def alltoall_v(
+    tensor: torch.Tensor,
+    send_counts: list[int],
+    send_displs: list[int],
+    recv_counts: list[int],
+    group=None,
+) -> torch.Tensor:
+    """Rank ``j`` gets ``tensor[send_displs[j] : send_displs[j] + send_counts[j]]``.
+
+    Returns what arrived, concatenated in rank order (``sum(recv_counts)`` elements).
+
+    Raises:
+        PeerError: on every rank, when a rank's send counts disagree with the receive
+            counts its peers expect.
+    """
+    check_tensor(tensor, DTYPES, "alltoall_v")
+    size = group_size(group)
+    for name, value in (
+        ("send_counts", send_counts),
+        ("send_displs", send_displs),
+        ("recv_counts", recv_counts),
+    ):
+        if len(value) != size or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value
+        ):
+            raise ValueError(f"alltoall_v: {name} must be {size} ints >= 0; got {value!r}")
+    flat = tensor.contiguous().reshape(-1)
+    if any(d + c > flat.numel() for d, c in zip(send_displs, send_counts, strict=True)):
+        raise ValueError(
+            f"alltoall_v: send_displs + send_counts exceed the {flat.numel()} elements "
+            "of send_tensor"
+        )
+
+    def body() -> torch.Tensor:
+        mine = torch.tensor([*send_counts, *recv_counts], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(size)]
+        work = dist.all_gather(rows, mine, group=group, async_op=True)
+        transport.wait_works("alltoall_v", [(-1, work)])
+        sends = torch.stack([r[:size] for r in rows])
+        recvs = torch.stack([r[size:] for r in rows])
+        bad = (sends != recvs.T).nonzero().tolist()
+        if bad:
+            pairs = ", ".join(
+                f"{i}->{j}: {sends[i, j]} sent, {recvs[j, i]} expected" for i, j in bad[:6]
+            )
+            raise PeerError(f"alltoall_v: send and receive counts do not match ({pairs})")
+        parts = [flat[d : d + c] for d, c in zip(send_displs, send_counts, strict=True)]
+        out = torch.empty(sum(recv_counts), dtype=flat.dtype, device=flat.device)
+        work = dist.all_to_all_single(
+            out, torch.cat(parts), list(recv_counts), list(send_counts), group=group, async_op=True
+        )
+        transport.wait_works("alltoall_v", [(-1, work)])
+        return out
+
+    return transport.run("alltoall_v", body, False)
+
+
 def reduce_scatter(tensor: torch.Tensor, op: ReduceOp, group=None) -> torch.Tensor:
     """Reduce the flat ``tensor`` over every rank; rank ``i`` keeps chunk ``i`` of the result."""
-    op = _reduce_op(op)
+    op = reduce_op(op)
     check_tensor(tensor, DTYPES, "reduce_scatter")
     _check_op_dtype(op, tensor, "reduce_scatter")
-    count = _split_count(tensor, group_size(group), "reduce_scatter", "send_tensor")
+    count = split_count(tensor, group_size(group), "reduce_scatter", "send_tensor")
 
     def body() -> torch.Tensor:
         _check_same("reduce_scatter", tensor, group, aux=int(op))

@@ -90,6 +90,7 @@ class BaguaProcessGroup:
         ranks: Sequence[int],
         stream: Any,
         group_name: str,
+        *,
         torch_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.ranks = list(ranks)
@@ -166,7 +167,7 @@ def new_group(
         return dist.new_group(chosen)
 
     group = transport.run("new_group", body, False)
-    return BaguaProcessGroup(chosen, stream, str(next(state().group_ids)), group)
+    return BaguaProcessGroup(chosen, stream, str(next(state().group_ids)), torch_group=group)
 
 
 def from_torch_group(
@@ -176,7 +177,7 @@ def from_torch_group(
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup; got {group!r}")
     ranks = sorted(dist.get_process_group_ranks(group))
-    return BaguaProcessGroup(ranks, stream, str(next(state().group_ids)), group)
+    return BaguaProcessGroup(ranks, stream, str(next(state().group_ids)), torch_group=group)
 
 
 def resolve(comm_: object) -> BaguaCommunicator | None:

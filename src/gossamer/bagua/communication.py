@@ -30,7 +30,21 @@ import torch.distributed as dist
 
 from gossamer import context, ops
 from gossamer.bagua import _collectives as C
-from gossamer.bagua._collectives import ReduceOp
+from gossamer.bagua._collectives import ReduceOp, check_recv, reduce_op, write_into
+from gossamer.bagua._exchanges import (
+    allgather,
+    allgather_inplace,
+    alltoall,
+    alltoall_inplace,
+    alltoall_v,
+    alltoall_v_inplace,
+    gather,
+    gather_inplace,
+    reduce_scatter,
+    reduce_scatter_inplace,
+    scatter,
+    scatter_inplace,
+)
 from gossamer.bagua._groups import (
     BaguaCommunicator,
     BaguaProcessGroup,
@@ -53,6 +67,8 @@ __all__ = [
     "allreduce_inplace",
     "alltoall",
     "alltoall_inplace",
+    "alltoall_v",
+    "alltoall_v_inplace",
     "barrier",
     "broadcast",
     "broadcast_coalesced",
@@ -61,6 +77,7 @@ __all__ = [
     "from_torch_group",
     "gather",
     "gather_inplace",
+    "get_backend",
     "init_process_group",
     "is_initialized",
     "new_group",
@@ -131,17 +148,6 @@ def _comm(comm_: object) -> BaguaCommunicator | None:
     return resolve(comm_)
 
 
-def _into(recv_tensor: torch.Tensor, value: torch.Tensor, name: str) -> None:
-    if not isinstance(recv_tensor, torch.Tensor):
-        raise TypeError(f"{name}: recv_tensor must be a torch.Tensor; got {recv_tensor!r}")
-    if recv_tensor.numel() != value.numel():
-        raise ValueError(
-            f"{name}: recv_tensor must have {value.numel()} elements; got {recv_tensor.numel()}"
-        )
-    with torch.no_grad():
-        recv_tensor.copy_(value.reshape(recv_tensor.shape))
-
-
 def send(tensor: torch.Tensor, dst: int, comm: BaguaCommunicator | None = None) -> None:
     """Send ``tensor`` to rank ``dst`` of the communicator (blocking)."""
     c = _comm(comm)
@@ -205,9 +211,11 @@ def reduce(
     """Reduce ``send_tensor`` over the ranks with ``op`` into ``recv_tensor`` on rank ``dst``."""
     c = _comm(comm)
     if c is not None:
+        if c.rank() == dst:
+            check_recv(recv_tensor, send_tensor.numel(), "reduce")
         result = C.reduce(send_tensor, dst, op, c.group)
         if c.rank() == dst:
-            _into(recv_tensor, result, "reduce")
+            write_into(recv_tensor, result, "reduce")
 
 
 def reduce_inplace(
@@ -242,11 +250,13 @@ def allreduce(
     c = _comm(comm)
     if c is None:
         return
-    if ReduceOp(op) in (ReduceOp.SUM, ReduceOp.AVG) and send_tensor.is_floating_point():
+    op = reduce_op(op)
+    check_recv(recv_tensor, send_tensor.numel(), "allreduce")
+    if op in (ReduceOp.SUM, ReduceOp.AVG) and send_tensor.is_floating_point():
         result = ops.allreduce(send_tensor, average=op == ReduceOp.AVG, group=c.group)
     else:
         result = C.allreduce(send_tensor, op, c.group)
-    _into(recv_tensor, result, "allreduce")
+    write_into(recv_tensor, result, "allreduce")
 
 
 def allreduce_inplace(
@@ -270,122 +280,18 @@ def allreduce_coalesced_inplace(
         bucket.unpack(flat, lambda t: t)
 
 
-def allgather(
-    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: BaguaCommunicator | None = None
-) -> None:
-    """Every rank's ``send_tensor``, concatenated in rank order, into ``recv_tensor``."""
-    c = _comm(comm)
-    if c is not None:
-        _into(recv_tensor, ops.allgather(send_tensor.reshape(-1), group=c.group), "allgather")
+def get_backend(model_name: str) -> object:
+    """The communication backend of the model named ``model_name`` (after ``with_bagua``).
 
-
-def allgather_inplace(tensor: torch.Tensor, comm: BaguaCommunicator | None = None) -> None:
-    """In-place :func:`allgather`: chunk ``rank`` of the flat ``tensor`` is this rank's input."""
-    c = _comm(comm)
-    if c is not None:
-        count = C._split_count(tensor, c.nranks(), "allgather_inplace", "tensor")
-        mine = tensor.reshape(-1)[c.rank() * count : (c.rank() + 1) * count]
-        _into(tensor, ops.allgather(mine, group=c.group), "allgather_inplace")
-
-
-def gather(
-    send_tensor: torch.Tensor,
-    recv_tensor: torch.Tensor,
-    dst: int,
-    comm: BaguaCommunicator | None = None,
-) -> None:
-    """Rank ``dst`` gets every rank's ``send_tensor`` in rank order in ``recv_tensor``."""
-    c = _comm(comm)
-    if c is not None:
-        result = C.gather(send_tensor, dst, c.group)
-        if result is not None:
-            _into(recv_tensor, result, "gather")
-
-
-def gather_inplace(
-    tensor: torch.Tensor, count: int, dst: int, comm: BaguaCommunicator | None = None
-) -> None:
-    """In-place :func:`gather`.
-
-    On ``dst``, ``tensor`` has nranks x ``count`` elements, its own input at chunk ``dst``;
-    elsewhere ``tensor`` has ``count`` elements.
+    Raises:
+        KeyError: no wrapped model has that name.
     """
-    c = _comm(comm)
-    if c is None:
-        return
-    flat = tensor.reshape(-1)
-    mine = flat[dst * count : (dst + 1) * count] if c.rank() == dst else flat
-    gather(mine, tensor, dst, c)
+    from gossamer.bagua._state import state
 
-
-def scatter(
-    send_tensor: torch.Tensor,
-    recv_tensor: torch.Tensor,
-    src: int,
-    comm: BaguaCommunicator | None = None,
-) -> None:
-    """Chunk ``i`` of rank ``src``'s ``send_tensor`` goes to rank ``i``'s ``recv_tensor``."""
-    c = _comm(comm)
-    if c is not None:
-        _into(recv_tensor, C.scatter(send_tensor, recv_tensor.numel(), src, c.group), "scatter")
-
-
-def scatter_inplace(
-    tensor: torch.Tensor, count: int, src: int, comm: BaguaCommunicator | None = None
-) -> None:
-    """In-place :func:`scatter`.
-
-    On ``src``, ``tensor`` has nranks x ``count`` elements (its own chunk stays in place);
-    elsewhere it receives ``count`` elements.
-    """
-    c = _comm(comm)
-    if c is None:
-        return
-    result = C.scatter(tensor, count, src, c.group)
-    if c.rank() != src:
-        _into(tensor, result, "scatter_inplace")
-
-
-def reduce_scatter(
-    send_tensor: torch.Tensor,
-    recv_tensor: torch.Tensor,
-    op: ReduceOp = ReduceOp.SUM,
-    comm: BaguaCommunicator | None = None,
-) -> None:
-    """Reduce ``send_tensor`` with ``op``; rank ``i`` gets chunk ``i`` in ``recv_tensor``."""
-    c = _comm(comm)
-    if c is not None:
-        _into(recv_tensor, C.reduce_scatter(send_tensor, op, c.group), "reduce_scatter")
-
-
-def reduce_scatter_inplace(
-    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: BaguaCommunicator | None = None
-) -> None:
-    """In-place :func:`reduce_scatter`: the result lands in chunk ``rank`` of ``tensor``."""
-    c = _comm(comm)
-    if c is None:
-        return
-    result = C.reduce_scatter(tensor, op, c.group)
-    count = result.numel()
-    _into(tensor.reshape(-1)[c.rank() * count : (c.rank() + 1) * count], result, "reduce_scatter")
-
-
-def alltoall(
-    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: BaguaCommunicator | None = None
-) -> None:
-    """Chunk ``j`` of ``send_tensor`` goes to rank ``j``.
-
-    Chunk ``i`` of ``recv_tensor`` comes from rank ``i``; sizes are divisible by the
-    number of ranks.
-    """
-    c = _comm(comm)
-    if c is not None:
-        _into(recv_tensor, C.alltoall(send_tensor, c.group), "alltoall")
-
-
-def alltoall_inplace(tensor: torch.Tensor, comm: BaguaCommunicator | None = None) -> None:
-    """In-place :func:`alltoall`."""
-    alltoall(tensor, tensor, comm)
+    model = state().models.get(model_name)
+    if model is None:
+        raise KeyError(f"no model named {model_name!r} was wrapped with with_bagua()")
+    return model._bagua_backend
 
 
 def barrier(comm: BaguaCommunicator | None = None) -> None:

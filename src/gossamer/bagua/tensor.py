@@ -98,6 +98,15 @@ class BaguaTensor:
         """The tensor the operations work on (the effective tensor)."""
         return self.bagua_getter_closure()
 
+    def bagua_set_storage(self, storage: torch.UntypedStorage, storage_offset: int = 0) -> None:
+        """Make the effective tensor a view of ``storage`` from ``storage_offset``.
+
+        Its shape and dtype are kept; its values become those already in the storage.
+        """
+        effective = self.bagua_getter_closure()
+        with torch.no_grad():
+            effective.set_(storage, storage_offset, effective.shape)
+
     def bagua_ensure_grad(self) -> torch.Tensor:
         """Give a parameter a zero gradient if it has none; return it.
 

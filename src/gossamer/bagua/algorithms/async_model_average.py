@@ -82,7 +82,9 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         self.status = _AsyncInternalState.NEW
         # The background rounds get a gloo group of their own (collective: made now).
         ranks = list(process_group.ranks)
-        self.thread_group = BaguaProcessGroup(ranks, None, "async", new_gloo_group(ranks))
+        self.thread_group = BaguaProcessGroup(
+            ranks, None, "async", torch_group=new_gloo_group(ranks)
+        )
         self._loop: BackgroundLoop | None = None
         self._op: Any = None
         self._held = False  # this (training) thread holds the weight lock
