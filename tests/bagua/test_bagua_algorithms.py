@@ -7,6 +7,7 @@ from bagua_problems import (
     decentralized_reference,
     flat,
     gradient_allreduce_reference,
+    grads,
     loss,
     model,
     sgd,
@@ -14,7 +15,13 @@ from bagua_problems import (
 
 import gossamer
 import gossamer.bagua as bagua
-from gossamer.bagua.algorithms import Algorithm, decentralized, gradient_allreduce
+from gossamer.bagua.algorithms import (
+    Algorithm,
+    AlgorithmImpl,
+    GlobalAlgorithmRegistry,
+    decentralized,
+    gradient_allreduce,
+)
 from gossamer.bagua.data_parallel import DistributedDataParallel
 from gossamer.testing import run_distributed
 
@@ -110,3 +117,57 @@ def test_algorithm_init_by_name_in_a_world_of_one():
     # one rank: no peer, plain local SGD
     _check([got["traj"]], [decentralized_reference(1, 3, "shift_one")[0]])
     assert gossamer  # imported for the ranks
+
+
+class _DoubleThenSumImpl(AlgorithmImpl):
+    """A user-written algorithm: double each gradient bucket, then sum it over the ranks."""
+
+    def init_operations(self, bagua_ddp, bucket):
+        bucket.clear_ops()
+
+        def double(name):
+            for t in bucket.tensors:
+                t.bagua_getter_closure().mul_(2)
+
+        bucket.append_python_op(double)
+        bucket.append_centralized_synchronous_op(average=False, group=self.process_group)
+
+
+class _DoubleThenSum(Algorithm):
+    def reify(self, process_group):
+        return _DoubleThenSumImpl(process_group)
+
+
+def _custom_and_no_sync():
+    bagua.init_process_group()
+    r = bagua.get_rank()
+    if "double_then_sum" not in GlobalAlgorithmRegistry:
+        GlobalAlgorithmRegistry.register("double_then_sum", _DoubleThenSum, "test")
+    x, y = data(r)
+    m = model(r).with_bagua([sgd(model(r))], Algorithm.init("double_then_sum"))
+    loss(m, x, y).backward()
+    custom = [p.grad.clone() for p in m.parameters()]
+    # DDP wrapper: the first backward inside no_sync stays local, the second averages both
+    m2 = model(r)
+    ddp = DistributedDataParallel(m2, optimizers=[sgd(m2)])
+    with ddp.no_sync():
+        loss(ddp, x[:8], y[:8]).backward()
+    local = [p.grad.clone() for p in m2.parameters()]
+    loss(ddp, x[8:], y[8:]).backward()
+    return custom, local, [p.grad.clone() for p in m2.parameters()]
+
+
+def test_custom_algorithm_and_no_sync():
+    got = run_distributed(_custom_and_no_sync, 4)
+    ref = model(0)
+    per_rank = [grads(ref, *data(r)) for r in range(4)]
+    halves = [
+        [a + b for a, b in zip(grads(ref, x[:8], y[:8]), grads(ref, x[8:], y[8:]), strict=True)]
+        for x, y in (data(r) for r in range(4))
+    ]
+    for r, (custom, local, accumulated) in enumerate(got):
+        for p, *gs in zip(custom, *per_rank, strict=True):
+            torch.testing.assert_close(p, 2 * sum(gs))
+        torch.testing.assert_close(local, grads(ref, data(r)[0][:8], data(r)[1][:8]))
+        for p, *hs in zip(accumulated, *halves, strict=True):
+            torch.testing.assert_close(p, sum(hs) / 4)
