@@ -1,6 +1,6 @@
 r"""Asynchronous optimizers over one-sided windows: no rank ever waits for another's compute.
 
-- :class:`WindowPut` (BlueFog's win-put): after the forward pass each rank puts its
+- :class:`WindowPut` (BlueFog's win-put): before the forward pass each rank puts its
   parameters into its out-neighbours' windows; :meth:`step` combines whatever has arrived
   (:math:`x \leftarrow w_{ii} x + \sum_j w_{ji} b_j`) and then takes the local step. It is
   adapt-with-combine over :class:`~gossamer.communicators.WindowPutGossip`.
@@ -63,7 +63,7 @@ class _OverWindows:
 
 
 class WindowPut(_OverWindows, AdaptWithCombine):
-    """Put the parameters to the out-neighbours after forward; combine what arrived at step.
+    """Put the parameters to the out-neighbours before forward; combine what arrived at step.
 
     Args:
         optimizer, model: as for every decentralized optimizer.
