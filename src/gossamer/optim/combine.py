@@ -63,6 +63,11 @@ class AdaptWithCombine(DecentralizedOptimizer):
             self._started = True
             self._start_rounds()
 
+    @property
+    def step_in_progress(self) -> bool:
+        """Whether a forward pass started this step's combine and :meth:`step` has not run."""
+        return self._started
+
     def step(self, closure=None):
         """Write the combined parameters, then take the wrapped optimizer's step."""
         self.synchronize()
@@ -111,8 +116,17 @@ class AdaptThenCombine(DecentralizedOptimizer):
         return {**super()._comm_state(), "psi_prev": psi}
 
     def _load_comm_state(self, state: dict) -> None:
+        psi = {int(i): t for i, t in state.get("psi_prev", {}).items()}
+        for index, value in psi.items():
+            # psi is per fusion bucket: another bucket layout would mix unrelated values.
+            if not 0 <= index < len(self.buckets) or value.shape != self.buckets[index].flat.shape:
+                raise ValueError(
+                    f"state['psi_prev'][{index}] (shape {tuple(value.shape)}) does not fit this "
+                    f"optimizer's {len(self.buckets)} buckets (another model or "
+                    "fusion_threshold_bytes?)"
+                )
         super()._load_comm_state(state)
-        self._psi_prev = {int(i): t.clone() for i, t in state.get("psi_prev", {}).items()}
+        self._psi_prev = {i: t.clone() for i, t in psi.items()}
 
     def _step_only(self, params: Iterable[torch.Tensor], closure=None):
         """The wrapped optimizer's step restricted to ``params`` (its own update rule)."""

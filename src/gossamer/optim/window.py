@@ -82,12 +82,26 @@ class WindowPut(_OverWindows, AdaptWithCombine):
     gossip = WindowPutGossip
     warn_on_second_forward = False
 
-    def synchronize(self) -> None:
-        """Wait for this rank's puts in flight (the combine waits for :meth:`step`)."""
-        pending, self._pending = self._pending, []
-        for _, round_, _ in pending:
+    def wait_puts(self) -> None:
+        """Wait until this rank's puts in flight have landed at every destination.
+
+        The combine still happens at :meth:`step`. With every rank calling this and then a
+        barrier, every put of the round is in its slot before any rank combines.
+        """
+        for _, round_, _ in self._pending:
             if round_ is not None:
                 round_.sent()
+
+    def synchronize(self) -> None:
+        """Wait for this rank's puts in flight (the combine waits for :meth:`step`)."""
+        # The rounds stay pending: dropping them here would skip this step's combine.
+        self.wait_puts()
+
+    def close(self) -> None:
+        """Wait for the puts in flight, then free the windows (collective)."""
+        super().close()
+        self._pending = []
+        self._started = False
 
     def step(self, closure=None):
         """Combine the window buffers into the parameters, then the wrapped step."""
