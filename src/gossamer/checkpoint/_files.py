@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import io
 import json
 import os
@@ -87,10 +88,15 @@ def exchange(
     return [row[1:] for row in rows]
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("gossamer")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
+
+
 def write_manifest(directory: Path, records: list[list[int]]) -> None:
     """Write the manifest of the rank files that ``records`` (in rank order) describe."""
-    import gossamer  # the version lives in the root package, which imports no checkpoint
-
     files = [
         {
             "rank": rank,
@@ -104,7 +110,7 @@ def write_manifest(directory: Path, records: list[list[int]]) -> None:
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "gossamer_version": gossamer.__version__,
+        "gossamer_version": _version(),
         "torch_version": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "world_size": len(files),
