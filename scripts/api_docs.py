@@ -21,6 +21,7 @@ MODULES = {
     "gossamer.communicators": "communication patterns as strategy objects",
     "gossamer.data": "partitioners for skewed data, skew measures, BatchNorm swap",
     "gossamer.optim": "decentralized optimizers and training helpers",
+    "gossamer.checkpoint": "checkpoints for exact resume: one file per rank and a manifest",
     "gossamer.fusion": "flat buckets for tensor fusion",
     "gossamer.profiling": "timeline (Chrome trace)",
     "gossamer.testing": "the distributed test harness",

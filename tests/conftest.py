@@ -1,5 +1,13 @@
+"""Fixtures and import path for every test folder.
+
+Importing this conftest puts tests/ on sys.path (pytest's default "prepend" import mode), so
+the modules that several test folders share, oracle.py and problems.py, import by bare name,
+here and in the rank processes, which start with this process's sys.path.
+"""
+
 import pytest
 
+from gossamer.profiling import timeline
 from gossamer.testing import close_pools
 
 
@@ -7,3 +15,11 @@ from gossamer.testing import close_pools
 def _reap_rank_pools():
     yield
     close_pools()
+
+
+@pytest.fixture
+def timeline_off():
+    """Stop this process's timeline after the test, whether or not the test stopped it."""
+    yield
+    if timeline.timeline_enabled():
+        timeline.stop_timeline()

@@ -2,12 +2,18 @@ import warnings
 
 import pytest
 import torch
-from problems import least_squares_data, least_squares_optimum, linear_model
 from torch import nn
 
 import gossamer
 from gossamer import optim
 from gossamer.testing import run_distributed
+from problems import (
+    least_squares_data,
+    least_squares_loss,
+    least_squares_optimum,
+    linear_model,
+    train_least_squares,
+)
 
 
 class Awkward(nn.Module):
@@ -32,12 +38,17 @@ def _data(rank, n=8):
     return torch.randn(n, 4, generator=g), torch.randn(n, generator=g, dtype=torch.float64)
 
 
-def _awkward_optimizer(model, kind):
+def _awkward_sgd(model):
+    """Two parameter groups, each mixing used and unused (or frozen) parameters."""
     groups = [
         {"params": list(model.shared.parameters()) + list(model.unused.parameters())},
         {"params": list(model.head.parameters()) + list(model.frozen.parameters()), "lr": 0.05},
     ]
-    sgd = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+
+
+def _awkward_optimizer(model, kind):
+    sgd = _awkward_sgd(model)
     if kind == "gradient-allreduce":
         return optim.GradientAllreduce(sgd, model, fusion_threshold_bytes=64)
     if kind == "awc":
@@ -67,11 +78,7 @@ def _train_awkward(kind, steps, accumulate):
 def _centralized_reference(world_size, steps, accumulate):
     """One process: gradient of the mean of the ranks' losses, same optimizer."""
     model = Awkward()
-    groups = [
-        {"params": list(model.shared.parameters()) + list(model.unused.parameters())},
-        {"params": list(model.head.parameters()) + list(model.frozen.parameters()), "lr": 0.05},
-    ]
-    sgd = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    sgd = _awkward_sgd(model)
     data = [_data(r) for r in range(world_size)]
     for _ in range(steps):
         sgd.zero_grad()
@@ -136,19 +143,12 @@ def test_fusion_on_and_off_give_the_same_result(kind):
 def _asynchronous(kind, steps, slow_rank):
     import time
 
-    A, b = least_squares_data(gossamer.rank())
-    model = linear_model()
-    sgd = torch.optim.SGD(model.parameters(), lr=0.2)
-    cls = optim.PushSum if kind == "push-sum" else optim.WindowPut
-    opt = cls(sgd, model)
-    schedule = torch.optim.lr_scheduler.LambdaLR(sgd, lambda k: 1 / (1 + k / 10))
-    for _ in range(steps):
-        opt.zero_grad()
-        ((model(A).squeeze(1) - b) ** 2).mean().div(2).backward()
-        opt.step()
-        schedule.step()
+    def slow_down(k, opt, model):
         if gossamer.rank() == slow_rank:
             time.sleep(0.003)
+
+    cls = optim.PushSum if kind == "push-sum" else optim.WindowPut
+    model, opt = train_least_squares(cls, steps, 0.2, 10, slow_down)
     gossamer.barrier()
     opt.free()
     return model.weight.detach().squeeze(0).clone()
@@ -169,7 +169,7 @@ def _state_round_trip():
     A, b = least_squares_data(gossamer.rank())
     for _ in range(3):
         opt.zero_grad()
-        ((model(A).squeeze(1) - b) ** 2).mean().backward()
+        least_squares_loss(model, A, b).backward()
         opt.step()
     state = opt.state_dict()
     other = linear_model()

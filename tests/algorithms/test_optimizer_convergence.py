@@ -1,16 +1,17 @@
+from functools import partial
+
 import pytest
-import torch
-from problems import least_squares_data, least_squares_optimum, linear_model
 
 import gossamer
 from gossamer import optim
 from gossamer import topology as topo
 from gossamer.testing import run_distributed
+from problems import least_squares_optimum, train_least_squares
 
 HIER = {"GOSSAMER_NODES_PER_MACHINE": "2"}
 
 
-def _make(kind, model, sgd):
+def _make(kind, sgd, model):
     r, n = gossamer.rank(), gossamer.size()
     if kind == "awc":
         return optim.AdaptWithCombine(sgd, model)
@@ -36,21 +37,14 @@ def _make(kind, model, sgd):
 
 
 def _train(kind, steps, lr, decay):
-    A, b = least_squares_data(gossamer.rank())
-    model = linear_model()
-    sgd = torch.optim.SGD(model.parameters(), lr=lr)
-    opt = _make(kind, model, sgd)
-    schedule = torch.optim.lr_scheduler.LambdaLR(sgd, lambda k: 1 / (1 + k / decay))
     distances = []
-    for k in range(steps):
-        opt.zero_grad()
-        loss = ((model(A).squeeze(1) - b) ** 2).mean() / 2
-        loss.backward()
-        opt.step()
-        schedule.step()
+
+    def measure(k, opt, model):
         if k in (5, steps - 1):
             opt.synchronize()
             distances.append(optim.consensus_distance(model))
+
+    model, opt = train_least_squares(partial(_make, kind), steps, lr, decay, measure)
     opt.synchronize()
     gossamer.set_machine_topology(None)
     return model.weight.detach().squeeze(0).clone(), distances

@@ -1,14 +1,20 @@
 """bf collectives and neighbour operations against references computed here from the full W."""
 
+from functools import partial
+
 import networkx as nx
 import numpy as np
 import pytest
 import torch
 
 import gossamer.bluefog as bf
+import oracle
 from gossamer.testing import run_distributed
+from oracle import assert_close, machine_input, mix, uniform
 
 F64 = torch.float64
+# float64, so that every reference holds to 1e-12
+data = partial(oracle.data, shape=(3, 4), dtype=F64)
 GRAPHS = {
     "exponential": bf.ExponentialGraph,
     "ring": bf.RingGraph,
@@ -18,26 +24,6 @@ GRAPHS = {
     "full": bf.FullyConnectedGraph,
     "symmetric_exponential": lambda n: bf.SymmetricExponentialGraph(n, base=2),
 }
-
-
-def data(rank, shape=(3, 4), dtype=F64, seed=0):
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    return torch.randn(shape, generator=g, dtype=F64).to(dtype)
-
-
-def mix(W, xs):
-    """y_i = sum_j W[j, i] x_j, in float64."""
-    return [sum(W[j, i] * xs[j].double() for j in range(len(xs))) for i in range(len(xs))]
-
-
-def uniform(W):
-    """BlueFog's unweighted default: 1/(indegree+1) on self and every in-neighbour."""
-    A = (np.asarray(W) != 0) | np.eye(len(W), dtype=bool)
-    return A / A.sum(axis=0, keepdims=True)
-
-
-def close(got, want, **tol):
-    torch.testing.assert_close(got.double(), want.double(), **(tol or dict(rtol=1e-12, atol=1e-12)))
 
 
 # ---------------------------------------------------------------- static neighbor_allreduce
@@ -72,7 +58,7 @@ def test_static_default_weights_against_full_weight_matrix(world_size):
             expected = mix(W if weighted else uniform(W), xs)
             for rank, out in enumerate(got):
                 blocking, nonblocking = out[name, weighted]
-                close(blocking, expected[rank])
+                assert_close(blocking, expected[rank])
                 assert torch.equal(blocking, nonblocking)
 
 
@@ -141,13 +127,13 @@ def test_explicit_and_dynamic_weights():
     W = nx.to_numpy_array(bf.ExponentialGraph(n))
     for r, out in enumerate(got):
         ins = [i for i in range(n) if i != r and W[i, r]]
-        close(out["subset"], 0.25 * xs[r] + 0.75 * xs[ins[0]])
-        close(out["numpy"], xs[r] + 0.5 * sum(xs[i] for i in ins), rtol=1e-6, atol=1e-6)
-        close(out["move"], xs[(r + 1) % n])
-        close(out["dst_weighted"], 0.5 * (xs[r] + sum(xs[i] for i in ins)))
-        close(out["alone"], 0.5 * xs[r])
+        assert_close(out["subset"], 0.25 * xs[r] + 0.75 * xs[ins[0]])
+        assert_close(out["numpy"], xs[r] + 0.5 * sum(xs[i] for i in ins), rtol=1e-6, atol=1e-6)
+        assert_close(out["move"], xs[(r + 1) % n])
+        assert_close(out["dst_weighted"], 0.5 * (xs[r] + sum(xs[i] for i in ins)))
+        assert_close(out["alone"], 0.5 * xs[r])
         # step 0 of one-peer exponential-2: everyone sends to rank+1
-        close(out["one_peer"], (xs[r] + xs[(r - 1) % n]) / 2)
+        assert_close(out["one_peer"], (xs[r] + xs[(r - 1) % n]) / 2)
 
 
 def _argument_errors():
@@ -271,9 +257,9 @@ def test_collectives(world_size, per_machine):
     for r, out in enumerate(got):
         local = [xs[s] for s in range(world_size) if s // per_machine == r // per_machine]
         for name in ("avg", "avg_", "nb_avg", "nb_avg_"):
-            close(out[name], mean)
+            assert_close(out[name], mean)
         for name in ("local", "nb_local_"):
-            close(out[name], sum(local) / per_machine)
+            assert_close(out[name], sum(local) / per_machine)
         assert torch.equal(out["sum_int"], torch.full((3,), sum(range(1, world_size + 1))))
         assert out["sum_int"].dtype == torch.int32
         assert torch.equal(out["bcast"], xs[-1])
@@ -312,16 +298,10 @@ def test_neighbor_allgather_static_and_dynamic(world_size):
 
 
 # ---------------------------------------------------------------- machine level, pairs
-def _machine_input():
-    # the average over a machine is its machine rank (BlueFog's test input)
-    L = bf.local_size()
-    return torch.full((3, 2), bf.machine_rank() + bf.local_rank() - (L - 1) / 2, dtype=F64)
-
-
 def _hierarchical():
     bf.init()
     m, M = bf.machine_rank(), bf.machine_size()
-    x = _machine_input()
+    x = machine_input()
     out = {}
     try:
         bf.set_machine_topology(bf.RingGraph(M, connect_style=2))  # receive from m-1
@@ -345,31 +325,28 @@ def _hierarchical():
     return out
 
 
+def _full(v):
+    """A result of _hierarchical: machine_input's shape, every entry v."""
+    return torch.full((3, 2), float(v), dtype=F64)
+
+
 def test_hierarchical_neighbor_allreduce():
     got = run_distributed(_hierarchical, 4, env={"GOSSAMER_NODES_PER_MACHINE": "1"})
     M = 4
     for r, out in enumerate(got):
         m = r
-
-        def full(v):
-            return torch.full((3, 2), float(v), dtype=F64)
-
-        close(out["uniform"], full((m + (m - 1) % M) / 2))
-        close(out["weighted"], full(0.25 * m + 0.75 * ((m - 1) % M)))
-        close(out["move"], full((m + 1) % M))
+        assert_close(out["uniform"], _full((m + (m - 1) % M) / 2))
+        assert_close(out["weighted"], _full(0.25 * m + 0.75 * ((m - 1) % M)))
+        assert_close(out["move"], _full((m + 1) % M))
 
 
 def test_hierarchical_with_two_ranks_per_machine():
     got = run_distributed(_hierarchical, 4, env={"GOSSAMER_NODES_PER_MACHINE": "2"})
     for r, out in enumerate(got):
         m = r // 2
-
-        def full(v):
-            return torch.full((3, 2), float(v), dtype=F64)
-
-        close(out["uniform"], full(0.5))  # (m + other) / 2 over two machines
-        close(out["weighted"], full(0.25 * m + 0.75 * (1 - m)))
-        close(out["move"], full(1 - m))
+        assert_close(out["uniform"], _full(0.5))  # (m + other) / 2 over two machines
+        assert_close(out["weighted"], _full(0.25 * m + 0.75 * (1 - m)))
+        assert_close(out["move"], _full(1 - m))
 
 
 def _pairs():
@@ -386,5 +363,5 @@ def _pairs():
 def test_pair_gossip():
     xs = [data(r) for r in range(4)]
     for r, (plain, weighted) in enumerate(run_distributed(_pairs, 4)):
-        close(plain, (xs[r] + xs[r ^ 1]) / 2)
-        close(weighted, 0.25 * xs[r] + 0.75 * xs[r ^ 1])
+        assert_close(plain, (xs[r] + xs[r ^ 1]) / 2)
+        assert_close(weighted, 0.25 * xs[r] + 0.75 * xs[r ^ 1])

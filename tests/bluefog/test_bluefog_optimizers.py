@@ -1,8 +1,7 @@
 """bf.Distributed*Optimizer on the core optimizers: convergence, knobs, methods, utilities."""
 
-import sys
 import warnings
-from pathlib import Path
+from functools import partial
 
 import pytest
 import torch
@@ -13,20 +12,20 @@ import gossamer.bluefog as bf
 from gossamer import optim
 from gossamer import topology as topo
 from gossamer.testing import run_distributed
-
-# The least-squares problem of the core optimizer tests (ranks import it through here too).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "algorithms"))
-from problems import D, least_squares_data, least_squares_optimum, linear_model
+from problems import (
+    D,
+    least_squares_data,
+    least_squares_loss,
+    least_squares_optimum,
+    linear_model,
+    train_least_squares,
+)
 
 HIER = {"GOSSAMER_NODES_PER_MACHINE": "2"}
 
 
-def _loss(model, A, b):
-    return ((model(A).squeeze(1) - b) ** 2).mean() / 2
-
-
 # ---------------------------------------------------------------------- convergence
-def _make(kind, model, base):
+def _make(kind, base, model):
     C = bf.CommunicationType
     if kind == "awc":
         return bf.DistributedAdaptWithCombineOptimizer(base, model)
@@ -48,16 +47,7 @@ def _make(kind, model, base):
 
 def _train(kind, steps, lr, decay):
     bf.init()
-    A, b = least_squares_data(bf.rank())
-    model = linear_model()
-    sgd = torch.optim.SGD(model.parameters(), lr=lr)
-    opt = _make(kind, model, sgd)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lambda k: 1 / (1 + k / decay))
-    for _ in range(steps):
-        opt.zero_grad()
-        _loss(model, A, b).backward()
-        opt.step()
-        schedule.step()
+    model, opt = train_least_squares(partial(_make, kind), steps, lr, decay)
     opt.synchronize()
     if kind == "win-put":
         opt.unregister_window()
@@ -109,7 +99,7 @@ def _one_peer(kind, steps):
                 opt.self_weight = 1 / (len(recv) + 1)
                 opt.enable_topo_check = True
             opt.zero_grad()
-            _loss(model, A, b).backward()
+            least_squares_loss(model, A, b).backward()
             opt.step()
         opt.synchronize()
         results.append(model.weight.detach().clone())
@@ -189,7 +179,7 @@ def _methods():
         torch.optim.SGD(model.parameters(), lr=0.1), model
     )
     assert opt.param_groups is opt.optimizer.param_groups
-    _loss(model, A, b).backward()
+    least_squares_loss(model, A, b).backward()
     opt.synchronize()
     out["averaged_grad"] = model.weight.grad.clone()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
@@ -200,7 +190,7 @@ def _methods():
     out["after_clipped_step"] = model.weight.detach().clone()
     # Misuse: skip_synchronize with communication in flight waits anyway, and warns.
     opt.zero_grad()
-    _loss(model, A, b).backward()
+    least_squares_loss(model, A, b).backward()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with opt.skip_synchronize():
@@ -213,7 +203,7 @@ def _methods():
     awc = bf.DistributedAdaptWithCombineOptimizer(adam, awc_model)
     for _ in range(2):
         awc.zero_grad()
-        _loss(awc_model, A, b).backward()
+        least_squares_loss(awc_model, A, b).backward()
         awc.step()
     state = awc.state_dict()
     out["steps"] = state["communication"]["steps"]
@@ -237,7 +227,7 @@ def test_optimizer_methods():
     grads = []
     for A, b in parts:
         model = linear_model()
-        _loss(model, A, b).backward()
+        least_squares_loss(model, A, b).backward()
         grads.append(model.weight.grad)
     mean = sum(grads) / n
     clipped = mean * min(1.0, 1e-3 / (mean.norm().item() + 1e-6))
@@ -415,7 +405,7 @@ def _machine_one_peer(steps):
                 opt.src_machine_weights = {m: 1 / (len(recv) + 1) for m in recv}
                 opt.self_weight = 1 / (len(recv) + 1)
             opt.zero_grad()
-            _loss(model, A, b).backward()
+            least_squares_loss(model, A, b).backward()
             opt.step()
         results.append(model.weight.detach().clone())
     return results

@@ -12,12 +12,8 @@ from gossamer.bluefog import timeline as bf_timeline
 from gossamer.profiling import timeline
 from gossamer.testing import run_distributed
 
-
-@pytest.fixture(autouse=True)
-def _timeline_off():
-    yield
-    if timeline.timeline_enabled():
-        timeline.stop_timeline()
+# The timeline is process-wide: one test left tracing would record into the next.
+pytestmark = pytest.mark.usefixtures("timeline_off")
 
 
 def spans(path):

@@ -1,24 +1,20 @@
 """bf.win_* by name: create/free, put/get/accumulate/update, versions, mutex, push-sum p."""
 
 import time
+from functools import partial
 
 import networkx as nx
 import pytest
 import torch
 
 import gossamer.bluefog as bf
+import oracle
 from gossamer.testing import run_distributed
+from oracle import assert_close
 
 F64 = torch.float64
-
-
-def data(rank, shape=(3, 4), seed=0):
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    return torch.randn(shape, generator=g, dtype=F64)
-
-
-def close(got, want):
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+# float64, so that every reference holds to 1e-12
+data = partial(oracle.data, shape=(3, 4), dtype=F64)
 
 
 def _put_and_update(weighted):
@@ -70,17 +66,17 @@ def test_put_then_update(world_size, weighted):
         bufs = {s: (1.0 + r) * xs[s] for s in srcs}  # the senders scaled by 1 + dst
         if weighted:
             expected = W[r, r] * xs[r] + sum(W[s, r] * bufs[s] for s in srcs)
-            close(out["clone"], expected)
+            assert_close(out["clone"], expected)
         else:  # sum, then divide, bit for bit
             expected = xs[r].clone()
             for s in srcs:
                 expected += bufs[s]
             assert torch.equal(out["clone"], expected / (len(srcs) + 1))
-        close(out["default"], out["clone"])
+        assert_close(out["default"], out["clone"])
         weighted_step = 0.5 * out["default"] + 0.25 * sum(bufs.values())
-        close(out["weighted"], weighted_step)
-        close(out["collect"], weighted_step + sum(bufs.values()))
-        close(out["collect_again"], out["collect"])
+        assert_close(out["weighted"], weighted_step)
+        assert_close(out["collect"], weighted_step + sum(bufs.values()))
+        assert_close(out["collect_again"], out["collect"])
 
 
 def _get_accumulate_handles():
@@ -146,8 +142,8 @@ def test_get_accumulate_and_handles():
     for r, out in enumerate(run_distributed(_get_accumulate_handles, n)):
         srcs = [s for s in range(n) if s != r and W[s, r]]
         assert out["get_versions"] == dict.fromkeys(srcs, 1)
-        close(out["got"], 2.0 * sum(xs[s] for s in srcs))
-        close(out["scaled"], 0.5 * xs[r])
+        assert_close(out["got"], 2.0 * sum(xs[s] for s in srcs))
+        assert_close(out["scaled"], 0.5 * xs[r])
         assert out["acc_versions"] == dict.fromkeys(srcs, 0)  # accumulate keeps versions
 
         # reset zeroed the buffers; every source then added x_s, and 0.5 x_s more at its
@@ -156,7 +152,7 @@ def test_get_accumulate_and_handles():
             return min(j for j in range(n) if j != s and W[s, j])
 
         expected = sum(xs[s] * (1.5 if first_out(s) == r else 1.0) for s in srcs)
-        close(out["acc"], expected)
+        assert_close(out["acc"], expected)
         assert set(out["errors"]) == {
             "unknown_window",
             "self_alone",

@@ -1,10 +1,10 @@
 import pytest
 import torch
-from oracle import assert_all_close, data
 
 import gossamer
 from gossamer.errors import PeerError
 from gossamer.testing import run_distributed
+from oracle import assert_all_close, data
 
 SIZES = [1, 2, 3, 4]
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

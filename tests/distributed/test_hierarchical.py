@@ -1,28 +1,20 @@
 import pytest
 import torch
-from oracle import assert_all_close
 
 import gossamer
 from gossamer import topology as topo
 from gossamer.testing import run_distributed
+from oracle import assert_all_close, machine_input
 
 
 def _env(k):
     return {"GOSSAMER_NODES_PER_MACHINE": str(k)}
 
 
-def _input():
-    # chosen so that the average over a machine is its machine rank (BlueFog's test)
-    L = gossamer.local_size()
-    return torch.full(
-        (3, 2), gossamer.machine_rank() + gossamer.local_rank() - (L - 1) / 2, dtype=torch.float64
-    )
-
-
 def _uniform():
     gossamer.set_machine_topology(topo.exponential_two(gossamer.machine_size()))
     try:
-        return gossamer.hierarchical_neighbor_allreduce(_input())
+        return gossamer.hierarchical_neighbor_allreduce(machine_input())
     finally:
         gossamer.set_machine_topology(None)
 
@@ -43,7 +35,7 @@ def test_uniform_machine_topology(world_size, k):
 def _weighted_machine_topology(W):
     gossamer.set_machine_topology(topo.Topology(W))
     try:
-        return gossamer.hierarchical_neighbor_allreduce(_input())
+        return gossamer.hierarchical_neighbor_allreduce(machine_input())
     finally:
         gossamer.set_machine_topology(None)
 
@@ -60,7 +52,7 @@ def test_weighted_machine_topology():
 def _dynamic_move(src_w, dst_w):
     m, M = gossamer.machine_rank(), gossamer.machine_size()
     return gossamer.hierarchical_neighbor_allreduce(
-        _input(),
+        machine_input(),
         self_weight=0.0,
         src_machine_weights={(m + 1) % M: src_w},
         dst_machine_weights={(m - 1) % M: dst_w},

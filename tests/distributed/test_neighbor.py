@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from oracle import assert_all_close, data, mix
 
 import gossamer
 from gossamer import topology as topo
 from gossamer.errors import CommunicationTimeout, PeerError
 from gossamer.testing import run_distributed
+from oracle import assert_all_close, data, mix
 
 SIZES = [1, 2, 3, 4]
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

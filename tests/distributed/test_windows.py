@@ -3,12 +3,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from oracle import assert_all_close, data, mix
 
 import gossamer
 from gossamer import topology as topo
 from gossamer.errors import WindowError
 from gossamer.testing import run_distributed
+from oracle import assert_all_close, data, mix
 
 F64 = torch.float64
 

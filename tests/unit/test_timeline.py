@@ -11,12 +11,8 @@ import pytest
 import gossamer.profiling
 from gossamer.profiling import session, spans, timeline, trace
 
-
-@pytest.fixture(autouse=True)
-def _timeline_off():
-    yield
-    if timeline.timeline_enabled():
-        timeline.stop_timeline()
+# The timeline is process-wide: one test left tracing would record into the next.
+pytestmark = pytest.mark.usefixtures("timeline_off")
 
 
 def load(path):

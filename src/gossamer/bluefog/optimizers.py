@@ -268,7 +268,7 @@ class _Combine(_BlueFogOptimizer):
 class DistributedAdaptWithCombineOptimizer(_Combine, AdaptWithCombine):
     r"""BlueFog's AWC optimizer: :math:`x^{+} = W x - \eta\, g(x)`, on :class:`AdaptWithCombine`.
 
-    The combine starts after the forward pass of every ``num_steps_per_communication``-th
+    The combine starts before the forward pass of every ``num_steps_per_communication``-th
     step and overlaps the backward pass; :meth:`step` waits for it and takes the wrapped
     optimizer's step with the gradient of the pre-combine point.
 

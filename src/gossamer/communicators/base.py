@@ -69,6 +69,9 @@ class Communicator(abc.ABC):
         self.global_average_every = check_every(global_average_every, "global_average_every")
         self.rounds = 0
         self._global = False
+        # A pattern that samples (random peers, stochastic rounding) draws only from this
+        # generator, so that its state in state_dict() makes a resumed run draw the same.
+        self.generator: torch.Generator | None = None
 
     @property
     def communication(self) -> str:
@@ -102,12 +105,32 @@ class Communicator(abc.ABC):
         """This pattern's round (a world of more than one rank, not a global round)."""
 
     def state_dict(self) -> dict:
-        """What the next rounds depend on."""
-        return {"rounds": self.rounds}
+        """What the next rounds depend on: the round counter and, if set, ``generator``'s state.
+
+        A pattern that samples sets ``self.generator`` (a ``torch.Generator``) in its
+        constructor and draws only from it; its state is saved here as ``"rng"``.
+        """
+        state: dict = {"rounds": self.rounds}
+        if self.generator is not None:
+            state["rng"] = self.generator.get_state()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output."""
+        """Restore :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: ``state`` holds a generator state and this communicator has no
+                ``generator`` (it was saved from another pattern).
+        """
         self.rounds = int(state["rounds"])
+        rng = state.get("rng")
+        if rng is not None:
+            if self.generator is None:
+                raise ValueError(
+                    f"state holds a random generator's state but {type(self).__name__} "
+                    "draws from none (was it saved from another communicator?)"
+                )
+            self.generator.set_state(rng)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what :meth:`bind` created (collective for window patterns)."""

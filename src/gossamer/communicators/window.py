@@ -81,6 +81,49 @@ class _WindowGossip(Scheduled):
             return None
         return self._start(flat, index)
 
+    def state_dict(self) -> dict:
+        """Counters, and per window what its slots hold: the next combine reads them.
+
+        With a schedule or ``dst_weights`` a round may leave some slots untouched, so a
+        combine can read a neighbour's copy from rounds ago. ``versions`` (arrivals since
+        the last combine) are saved for inspection; loading clears them, as a combine does.
+        """
+        return {
+            **super().state_dict(),
+            "buffers": [w.buffers() for w in self.windows],
+            "p_buffers": [w.p_buffers() for w in self.windows],
+            "versions": [w.versions() for w in self.windows],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the counters and, where saved, the slots.
+
+        Load on every rank before any rank communicates again: a neighbour's new put that
+        lands first would be overwritten.
+
+        Raises:
+            ValueError: the state holds another number of windows (another model or
+                fusion threshold).
+        """
+        super().load_state_dict(state)
+        buffers = self._per_window(state, "buffers")
+        p_buffers = self._per_window(state, "p_buffers")
+        for window, slots, weights in zip(self.windows, buffers, p_buffers, strict=True):
+            if slots is not None:
+                window.load_slots(slots, weights)
+
+    def _per_window(self, state: dict, key: str) -> list:
+        """``state[key]``, one entry per window (None for each when absent)."""
+        values = state.get(key)
+        if values is None:
+            return [None] * len(self.windows)
+        if len(values) != len(self.windows):
+            raise ValueError(
+                f"state[{key!r}] holds {len(values)} windows; this {type(self).__name__} has "
+                f"{len(self.windows)} (a different model or fusion_threshold_bytes?)"
+            )
+        return list(values)
+
     def close(self) -> None:
         """Free the windows (collective)."""
         windows, self.windows = self.windows, []
@@ -143,22 +186,19 @@ class PushSumGossip(_WindowGossip):
         return Deferred(lambda: z)
 
     def state_dict(self) -> dict:
-        """Counters, and per window its ``x``, ``p`` and what its slots hold."""
+        """Counters, slots, and per window its ``x`` and push-sum weight ``p``."""
         return {
             **super().state_dict(),
             "p": [w.p for w in self.windows],
             "x": [w.tensor.detach().clone() for w in self.windows],
-            "buffers": [w.buffers() for w in self.windows],
-            "p_buffers": [w.p_buffers() for w in self.windows],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore counters and, where saved, the windows' contents."""
+        """Restore counters, slots and, where saved, the windows' ``x`` and ``p``."""
         super().load_state_dict(state)
-        for i, window in enumerate(self.windows):
-            if i < len(state.get("p", [])):
-                window.p = float(state["p"][i])
-            if i < len(state.get("x", [])):
-                window.tensor.copy_(state["x"][i])
-            if i < len(state.get("buffers", [])):
-                window.load_slots(state["buffers"][i], state["p_buffers"][i])
+        for window, p in zip(self.windows, self._per_window(state, "p"), strict=True):
+            if p is not None:
+                window.p = float(p)
+        for window, x in zip(self.windows, self._per_window(state, "x"), strict=True):
+            if x is not None:
+                window.tensor.copy_(x)

@@ -110,15 +110,46 @@ class DecentralizedOptimizer:
         """Zero the gradients (as ``torch.optim.Optimizer.zero_grad``)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def step_in_progress(self) -> bool:
+        """Whether a step's communication has started and :meth:`step` has not ended it.
+
+        True from the forward pass (or backward pass) that starts a step's communication
+        until ``step()`` returns. A state saved then is not a point to resume from:
+        :func:`gossamer.checkpoint.save` refuses it.
+        """
+        return False
+
     def state_dict(self) -> dict:
-        """The wrapped optimizer's state plus the communication counters."""
+        """Everything the next steps depend on besides the parameters.
+
+        ``{"optimizer": <the wrapped optimizer's state dict>, "communication": {"steps",
+        **communicator.state_dict(), ...}}``: step counter, round counter, schedule
+        position, generator state, window slots and push-sum weights, exact diffusion's
+        previous local step. Communication in flight is finished first, so take the model's
+        state after this one.
+        """
         self.synchronize()
         return {"optimizer": self.optimizer.state_dict(), "communication": self._comm_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: ``state`` is not such a dict, or its communication state has keys
+                this optimizer does not know (saved from another optimizer or pattern).
+        """
         if not isinstance(state, dict) or {"optimizer", "communication"} - set(state):
             raise ValueError("state must be a dict from DecentralizedOptimizer.state_dict()")
+        # A combine still in flight would overwrite what is loaded when it lands.
+        self.synchronize()
+        unknown = sorted(set(state["communication"]) - set(self._comm_state()))
+        if unknown:
+            raise ValueError(
+                f"state['communication'] has keys {unknown} that {type(self).__name__} over "
+                f"{type(self.communicator).__name__} does not save: was it saved from another "
+                "optimizer or communicator?"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         self._load_comm_state(state["communication"])
 

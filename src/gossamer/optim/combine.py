@@ -4,7 +4,7 @@ Both wrap any ``torch.optim`` optimizer. With a mixing matrix :math:`W` and the 
 optimizer's update :math:`u(\cdot)` (for SGD, :math:`u(g) = -\eta g`):
 
 - adapt-with-combine (AWC): :math:`x^{+} = W x + u(\nabla f(x))`; the averaging of
-  :math:`x` starts right after the forward pass and overlaps the backward pass.
+  :math:`x` starts before the forward pass and overlaps forward and backward.
 - adapt-then-combine (ATC, diffusion; Sayed 2014): :math:`x^{+} = W (x + u(\nabla f(x)))`;
   each bucket is stepped and its averaging started before the next bucket is stepped, and
   the result is waited for at the next forward pass (or :meth:`synchronize`).
@@ -25,16 +25,16 @@ __all__ = ["AdaptThenCombine", "AdaptWithCombine"]
 
 
 class AdaptWithCombine(DecentralizedOptimizer):
-    """AWC: combine the parameters during the backward pass, then apply the local update.
+    """AWC: combine the parameters during forward and backward, then apply the local update.
 
-    The combine starts from a forward hook on the model, on the forward pass of every
+    The combine starts from a forward pre-hook on the model, before the forward pass of every
     ``num_steps_per_communication``-th step (only while the model is training and gradients
     are enabled), and :meth:`step` waits for it before calling the wrapped optimizer, whose
     gradients were computed at the pre-combine point.
 
     Example:
         >>> opt = AdaptWithCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
-        >>> loss_fn(model(x), y).backward()   # averaging overlaps this backward pass
+        >>> loss_fn(model(x), y).backward()   # averaging overlaps forward and backward
         >>> opt.step()
     """
 
@@ -44,9 +44,11 @@ class AdaptWithCombine(DecentralizedOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, model, **kwargs) -> None:
         super().__init__(optimizer, model, **kwargs)
         self._started = False
-        self._hooks = [m.register_forward_hook(self._after_forward) for m in self.models]
+        self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in self.models]
 
-    def _after_forward(self, module, inputs, output) -> None:
+    def _before_forward(self, module, inputs) -> None:
+        # The exchange of x_t reads a packed copy, so it may run while forward and backward
+        # read x_t itself: the whole step hides the wire time.
         if not (module.training and torch.is_grad_enabled()):
             return
         if self._started:
@@ -60,6 +62,11 @@ class AdaptWithCombine(DecentralizedOptimizer):
         if self._is_round():
             self._started = True
             self._start_rounds()
+
+    @property
+    def step_in_progress(self) -> bool:
+        """Whether a forward pass started this step's combine and :meth:`step` has not run."""
+        return self._started
 
     def step(self, closure=None):
         """Write the combined parameters, then take the wrapped optimizer's step."""
@@ -109,8 +116,17 @@ class AdaptThenCombine(DecentralizedOptimizer):
         return {**super()._comm_state(), "psi_prev": psi}
 
     def _load_comm_state(self, state: dict) -> None:
+        psi = {int(i): t for i, t in state.get("psi_prev", {}).items()}
+        for index, value in psi.items():
+            # psi is per fusion bucket: another bucket layout would mix unrelated values.
+            if not 0 <= index < len(self.buckets) or value.shape != self.buckets[index].flat.shape:
+                raise ValueError(
+                    f"state['psi_prev'][{index}] (shape {tuple(value.shape)}) does not fit this "
+                    f"optimizer's {len(self.buckets)} buckets (another model or "
+                    "fusion_threshold_bytes?)"
+                )
         super()._load_comm_state(state)
-        self._psi_prev = {int(i): t.clone() for i, t in state.get("psi_prev", {}).items()}
+        self._psi_prev = {i: t.clone() for i, t in psi.items()}
 
     def _step_only(self, params: Iterable[torch.Tensor], closure=None):
         """The wrapped optimizer's step restricted to ``params`` (its own update rule)."""

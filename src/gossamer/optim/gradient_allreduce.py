@@ -53,6 +53,7 @@ class GradientAllreduce(DecentralizedOptimizer):
         self._launched = 0
         self._no_sync = False
         self._dirty = False  # a gradient arrived since the last synchronize
+        self._accumulating = False  # a gradient arrived since the last step
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
 
     @contextlib.contextmanager
@@ -64,7 +65,13 @@ class GradientAllreduce(DecentralizedOptimizer):
         finally:
             self._no_sync = previous
 
+    @property
+    def step_in_progress(self) -> bool:
+        """Whether a backward pass produced gradients that :meth:`step` has not used yet."""
+        return self._accumulating
+
     def _grad_ready(self, param: torch.Tensor) -> None:
+        self._accumulating = True
         if self._no_sync:
             return
         self._dirty = True
@@ -117,4 +124,5 @@ class GradientAllreduce(DecentralizedOptimizer):
             raise ValueError("GradientAllreduce.step does not take a closure")
         self.synchronize()
         self.steps += 1
+        self._accumulating = False
         return self.optimizer.step()

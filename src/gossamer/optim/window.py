@@ -1,6 +1,6 @@
 r"""Asynchronous optimizers over one-sided windows: no rank ever waits for another's compute.
 
-- :class:`WindowPut` (BlueFog's win-put): after the forward pass each rank puts its
+- :class:`WindowPut` (BlueFog's win-put): before the forward pass each rank puts its
   parameters into its out-neighbours' windows; :meth:`step` combines whatever has arrived
   (:math:`x \leftarrow w_{ii} x + \sum_j w_{ji} b_j`) and then takes the local step. It is
   adapt-with-combine over :class:`~gossamer.communicators.WindowPutGossip`.
@@ -63,7 +63,7 @@ class _OverWindows:
 
 
 class WindowPut(_OverWindows, AdaptWithCombine):
-    """Put the parameters to the out-neighbours after forward; combine what arrived at step.
+    """Put the parameters to the out-neighbours before forward; combine what arrived at step.
 
     Args:
         optimizer, model: as for every decentralized optimizer.
@@ -82,12 +82,26 @@ class WindowPut(_OverWindows, AdaptWithCombine):
     gossip = WindowPutGossip
     warn_on_second_forward = False
 
-    def synchronize(self) -> None:
-        """Wait for this rank's puts in flight (the combine waits for :meth:`step`)."""
-        pending, self._pending = self._pending, []
-        for _, round_, _ in pending:
+    def wait_puts(self) -> None:
+        """Wait until this rank's puts in flight have landed at every destination.
+
+        The combine still happens at :meth:`step`. With every rank calling this and then a
+        barrier, every put of the round is in its slot before any rank combines.
+        """
+        for _, round_, _ in self._pending:
             if round_ is not None:
                 round_.sent()
+
+    def synchronize(self) -> None:
+        """Wait for this rank's puts in flight (the combine waits for :meth:`step`)."""
+        # The rounds stay pending: dropping them here would skip this step's combine.
+        self.wait_puts()
+
+    def close(self) -> None:
+        """Wait for the puts in flight, then free the windows (collective)."""
+        super().close()
+        self._pending = []
+        self._started = False
 
     def step(self, closure=None):
         """Combine the window buffers into the parameters, then the wrapped step."""

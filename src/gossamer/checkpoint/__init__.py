@@ -1,0 +1,220 @@
+"""Checkpoints for exact resume: one file per rank, and a manifest that vouches for them.
+
+In decentralized training every rank holds a different model, different optimizer moments
+and different communication state (window slots, push-sum weights, exact diffusion's
+previous step). So a checkpoint is one ``torch.save`` file per rank, ``rank<k>.pt``, plus
+``manifest.json``, which rank 0 writes only after every rank's file is on disk and which
+lists each file with its size and SHA-256. :func:`load` trusts a file only if the manifest
+vouches for it, so a save that was interrupted is detected, not half loaded.
+
+``torch.distributed.checkpoint`` does not fit: its planner treats tensors that several ranks
+save under the same name as replicas and keeps one copy (``dedup_save_plans``), which would
+give every rank rank 0's model on load; its strengths, resharding across world sizes and
+deduplication, have nothing to work on when no two ranks hold the same state.
+
+Example:
+    >>> gossamer.checkpoint.save("ckpt/step100", model, opt, extra={"epoch": 3})
+    >>> # ... a new job, with the same number of ranks:
+    >>> extra = gossamer.checkpoint.load("ckpt/step100", model, opt)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gossamer import context, ops
+from gossamer.checkpoint._files import (
+    MANIFEST,
+    RECORD,
+    CheckpointError,
+    exchange,
+    read_rank_file,
+    shared_manifest,
+    write_manifest,
+    write_rank_file,
+)
+from gossamer.checkpoint._state import capture, check_fit, check_plain, set_rng
+from gossamer.errors import NotInitializedError
+from gossamer.optim.base import DecentralizedOptimizer
+
+__all__ = ["MANIFEST", "CheckpointError", "load", "save"]
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: DecentralizedOptimizer | torch.optim.Optimizer,
+    *,
+    extra: Any = None,
+) -> Path:
+    """Write this rank's state to ``path/rank<k>.pt``; rank 0 then writes the manifest.
+
+    Collective: every rank calls it between two steps (after ``step()``, before the next
+    forward pass). It starts with a barrier, so no put or accumulate of an asynchronous
+    optimizer is in flight while the window slots are read. Saved per rank: the model's
+    ``state_dict()``, the optimizer's ``state_dict()`` (for a decentralized optimizer, the
+    wrapped optimizer's state and every counter, schedule position, generator, window slot
+    and push-sum weight its next steps depend on), the random generators of torch, Python
+    and NumPy (dropout, shuffling), and ``extra``. Works without ``gossamer.init()`` in a
+    single process.
+
+    Args:
+        path (str | os.PathLike): the checkpoint directory (created if needed). Ranks on
+            machines without a shared file system each write their own file there; the
+            manifest is on rank 0's machine.
+        model (nn.Module | Sequence[nn.Module]): the model(s) whose ``state_dict`` is saved.
+        optimizer (DecentralizedOptimizer | torch.optim.Optimizer): the optimizer.
+        extra: anything else to resume (epoch, learning-rate scheduler state, data-loader
+            position) made of dict, list, tuple, str, int, float, bool, None, bytes and
+            tensors, so that ``torch.load(weights_only=True)`` reads it back.
+
+    Returns:
+        Path: the checkpoint directory.
+
+    Raises:
+        TypeError: a bad ``path``, ``model``, ``optimizer`` or ``extra``.
+        ValueError: the optimizer is in the middle of a step.
+        CheckpointError: another rank failed (on the ranks that did not; the failing rank
+            raises its own error). No manifest is written then.
+    """
+    rank, size = _world()
+    if size > 1:
+        ops.barrier()
+    error: Exception | None = None
+    record = [0] * RECORD
+    try:
+        directory = _directory(path)
+        models, single = _models(model)
+        _check_optimizer(optimizer, "save")
+        check_plain(extra, "extra")
+        payload = capture(rank, size, models, single, optimizer, extra)
+        directory.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            # Until the new manifest lands, the directory is not a checkpoint at all.
+            (directory / MANIFEST).unlink(missing_ok=True)
+        record = write_rank_file(directory, rank, payload)
+    except Exception as err:
+        error = err
+    records = exchange(rank, size, error, record, "save")
+    error = None
+    if rank == 0:
+        try:
+            write_manifest(directory, records)
+        except Exception as err:
+            error = err
+    exchange(rank, size, error, [], "writing the manifest")
+    return directory
+
+
+def load(
+    path: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: DecentralizedOptimizer | torch.optim.Optimizer,
+    *,
+    restore_rng: bool = True,
+) -> Any:
+    """Restore this rank's state from a checkpoint that :func:`save` wrote; return ``extra``.
+
+    Collective: every rank calls it after building the model and the optimizer (same
+    classes, model, ``fusion_threshold_bytes``, topology, and a fresh schedule if one is
+    used) and before training. Rank 0 reads the manifest and sends it to every rank; each
+    rank checks its own file's size and SHA-256 against it before loading anything, and no
+    rank returns before every rank has loaded (so no neighbour's new put can land in a slot
+    before the slot is restored).
+
+    Args:
+        path (str | os.PathLike): the checkpoint directory.
+        model (nn.Module | Sequence[nn.Module]): the model(s) to load into, as saved.
+        optimizer (DecentralizedOptimizer | torch.optim.Optimizer): the optimizer.
+        restore_rng (bool): also restore torch's, Python's and NumPy's random generators.
+
+    Returns:
+        the ``extra`` given to :func:`save`.
+
+    Raises:
+        TypeError: a bad ``path``, ``model`` or ``optimizer``.
+        FileNotFoundError: ``path`` is not a directory.
+        ValueError: the checkpoint was written by another number of ranks (elastic resize
+            is not supported), or it does not fit the model or optimizer.
+        CheckpointError: no manifest (an interrupted save), a file that does not match it,
+            or another rank failed.
+    """
+    rank, size = _world()
+    error: Exception | None = None
+    directory: Path | None = None
+    try:
+        if not isinstance(restore_rng, bool):
+            raise TypeError(f"restore_rng must be a bool; got {restore_rng!r}")
+        directory = _directory(path)
+        models, single = _models(model)
+        _check_optimizer(optimizer, "load")
+    except Exception as err:
+        error = err
+    try:
+        # Collective, so every rank takes part even when its own arguments were bad.
+        manifest = shared_manifest(rank, size, directory)
+        if error is None and directory is not None:
+            payload = read_rank_file(directory, manifest, rank, size)
+            check_fit(payload, single, len(models), optimizer)
+    except Exception as err:
+        error = error or err
+    exchange(rank, size, error, [], "load")
+    try:
+        if isinstance(optimizer, DecentralizedOptimizer):
+            optimizer.synchronize()
+        states = [payload["model"]] if single else payload["model"]
+        for module, state in zip(models, states, strict=True):
+            module.load_state_dict(state)
+        optimizer.load_state_dict(payload["optimizer"])
+        if restore_rng:
+            set_rng(payload["rng"])
+    except Exception as err:
+        error = err
+    exchange(rank, size, error, [], "load")
+    return payload["extra"]
+
+
+# ---------------------------------------------------------------------- arguments
+def _world() -> tuple[int, int]:
+    if context.is_initialized():
+        return context.rank(), context.size()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise NotInitializedError(
+            "gossamer.checkpoint needs gossamer.init() in a job of more than one process"
+        )
+    return 0, 1
+
+
+def _directory(path: object) -> Path:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or os.PathLike; got {path!r}")
+    return Path(path)
+
+
+def _models(model: object) -> tuple[list[nn.Module], bool]:
+    if isinstance(model, nn.Module):
+        return [model], True
+    models = list(model) if isinstance(model, Sequence) and not isinstance(model, str) else []
+    if not models or not all(isinstance(m, nn.Module) for m in models):
+        raise TypeError(f"model must be an nn.Module or a sequence of them; got {model!r}")
+    return models, False
+
+
+def _check_optimizer(optimizer: object, what: str) -> None:
+    if not isinstance(optimizer, DecentralizedOptimizer | torch.optim.Optimizer):
+        raise TypeError(
+            "optimizer must be a gossamer DecentralizedOptimizer or a torch.optim.Optimizer; "
+            f"got {optimizer!r}"
+        )
+    if isinstance(optimizer, DecentralizedOptimizer) and optimizer.step_in_progress:
+        raise ValueError(
+            f"optimizer {optimizer!r} is in the middle of a step (its communication has "
+            f"started); {what} between steps: after step(), before the next forward pass"
+        )

@@ -1,0 +1,104 @@
+"""What a rank's file holds: model and optimizer states, random generators, ``extra``."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from gossamer.checkpoint._files import FORMAT, FORMAT_VERSION
+from gossamer.optim.base import DecentralizedOptimizer
+
+__all__ = ["capture", "check_fit", "check_plain", "set_rng"]
+
+PLAIN = (str, int, float, bool, bytes, type(None), torch.Tensor)
+
+
+def check_plain(value: object, where: str) -> None:
+    """Raise TypeError unless ``value`` is data that ``torch.load(weights_only=True)`` reads."""
+    if isinstance(value, PLAIN):
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str | int | float | bool | type(None)):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}: {key!r}")
+            check_plain(item, f"{where}[{key!r}]")
+        return
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            check_plain(item, f"{where}[{index}]")
+        return
+    raise TypeError(
+        f"{where} is a {type(value).__name__}; a checkpoint holds only dict, list, tuple, str, "
+        "int, float, bool, None, bytes and torch.Tensor (what torch.load(weights_only=True) "
+        "reads back)"
+    )
+
+
+def capture(
+    rank: int,
+    size: int,
+    models: list[nn.Module],
+    single: bool,
+    optimizer: DecentralizedOptimizer | torch.optim.Optimizer,
+    extra: Any,
+) -> dict:
+    """This rank's payload: model and optimizer states, generators, ``extra``."""
+    # The optimizer first: its state_dict() lands the combines in flight in the parameters.
+    optimizer_state = optimizer.state_dict()
+    model_states = [m.state_dict() for m in models]
+    check_plain(optimizer_state, "the optimizer's state_dict()")
+    check_plain(model_states, "the model's state_dict()")
+    step = getattr(optimizer, "steps", None)
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "rank": rank,
+        "world_size": size,
+        "step": step if isinstance(step, int) else None,
+        "optimizer_class": type(optimizer).__qualname__,
+        "decentralized": isinstance(optimizer, DecentralizedOptimizer),
+        "model": model_states[0] if single else model_states,
+        "optimizer": optimizer_state,
+        "rng": rng_state(),
+        "extra": extra,
+    }
+
+
+def rng_state() -> dict:
+    """The global generators of torch (and CUDA), Python and NumPy."""
+    name, keys, position, has_gauss, gauss = np.random.get_state(legacy=True)
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng(state: dict) -> None:
+    """Restore the generators that :func:`capture` saved."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    name, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_fit(payload: dict, single: bool, count: int, optimizer: object) -> None:
+    """Raise ValueError unless the payload fits the model layout and optimizer kind."""
+    saved = payload["model"]
+    if single != isinstance(saved, dict) or (not single and len(saved) != count):
+        shape = "one module" if isinstance(saved, dict) else f"{len(saved)} modules"
+        raise ValueError(f"the checkpoint holds {shape}; model has {count}")
+    if payload["decentralized"] != isinstance(optimizer, DecentralizedOptimizer):
+        raise ValueError(
+            f"the checkpoint was saved from optimizer class {payload['optimizer_class']}; "
+            f"optimizer has class {type(optimizer).__qualname__}"
+        )
