@@ -26,6 +26,8 @@ def _flatten(payload: Any, leaves: list[torch.Tensor]) -> Any:
     if isinstance(payload, torch.Tensor):
         leaves.append(payload.detach().contiguous())
         return ("tensor", len(leaves) - 1, payload.dtype, tuple(payload.shape))
+    if isinstance(payload, torch.Size | torch.dtype | torch.device | str) or payload is None:
+        return ("static", payload)  # the same on every rank: taken from the template
     if type(payload) in _NUMBERS:
         leaves.append(torch.tensor([payload], dtype=_NUMBERS[type(payload)]))
         return ("number", len(leaves) - 1, type(payload))

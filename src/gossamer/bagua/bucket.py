@@ -298,6 +298,7 @@ class BaguaBucket:
             if topology is not None
             else (weight, left_peer_weight, right_peer_weight),
         )
+        comm.bind([self])  # replicas start at x0, before the first local step
         op = LowPrecisionDecentralizedSynchronousOp(comm)
         self._ops.append(op)
         return op

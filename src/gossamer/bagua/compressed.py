@@ -202,6 +202,23 @@ class LowPrecisionGossip(_Compressed):
         self._given = None if replicas is None else list(replicas)
         self._replicas: dict[int, dict[Any, torch.Tensor]] = {}
 
+    def bind(self, buckets: Sequence[Any]) -> None:
+        """Start every bucket's replicas at its current value ``x0`` (before any step).
+
+        Without it, replicas start at the first value a round sees, which is only right
+        when that round comes before the first local step.
+        """
+        for index, bucket in enumerate(buckets):
+            if index == 0 and self._given is not None:
+                continue
+            x0 = bucket.pack().detach().clone()
+            keys = ["left", "right"] if self.topology is None else sorted(self._in_neighbors())
+            self._replicas[index] = {"self": x0.clone(), **{k: x0.clone() for k in keys}}
+
+    def _in_neighbors(self) -> list[int]:
+        assert self.topology is not None
+        return list(self.topology.in_neighbors(self.me))
+
     def _peers(self, me: int, n: int) -> tuple[float, list[tuple[int, float, Any]], list[int]]:
         """(self weight, [(source, weight, replica key)], destinations)."""
         if self.topology is not None:
