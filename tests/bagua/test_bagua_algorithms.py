@@ -108,12 +108,22 @@ def _world_of_one_and_registry():
     alg = Algorithm.init("decentralized", hierarchical=False, peer_selection_mode="shift_one")
     out["class"] = type(alg).__name__
     out["traj"] = _train(lambda: alg, steps=3)
+    # wrapping a module again replaces the previous algorithm's hooks
+    m = model(0)
+    opt = sgd(m)
+    m.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+    m.with_bagua([opt], alg)
+    x, y = data(0)
+    loss(m, x, y).backward()
+    opt.step()
+    out["rewrapped"] = type(m.bagua_algorithm).__name__
     return out
 
 
 def test_algorithm_init_by_name_in_a_world_of_one():
     got = run_distributed(_world_of_one_and_registry, 1)[0]
     assert got["class"] == "DecentralizedAlgorithm"
+    assert got["rewrapped"] == "DecentralizedAlgorithmImpl"
     # one rank: no peer, plain local SGD
     _check([got["traj"]], [decentralized_reference(1, 3, "shift_one")[0]])
     assert gossamer  # imported for the ranks

@@ -126,10 +126,9 @@ class BaguaDistributedDataParallel:
         self._bagua_backend = _Backend()
         self._callback_queued = False
         self._seen: set[str] = set()  # parameters whose gradient arrived this backward
-        old = getattr(module, "_bagua_ddp_hooks", None)
-        if old is not None:  # wrapped again: the previous engine's hooks go
-            for handle in old:
-                handle.remove()
+        previous = module.__dict__.get("_bagua_engine")
+        if previous is not None:  # wrapped again: the previous engine lets go of the module
+            previous.detach()
         self.bagua_algorithm = algorithm.reify(process_group)
         state().models[self.bagua_module_name] = self
         self._framework_hooks = [
@@ -139,7 +138,7 @@ class BaguaDistributedDataParallel:
         ]
         self._autograd_hooks: list[Any] = []
         self._optimizer_hooks: list[Any] = []
-        module._bagua_ddp_hooks = self._framework_hooks
+        module.__dict__["_bagua_engine"] = self
         self._bagua_init_algorithm()
 
     # ------------------------------------------------------------------ parameters
@@ -259,6 +258,13 @@ class BaguaDistributedDataParallel:
             opt.register_step_post_hook(lambda opt, args, kwargs: post_step(opt))
             for opt in self.bagua_optimizers
         ]
+
+    def detach(self) -> None:
+        """Wait for pending operations and remove every hook this engine installed."""
+        self._bagua_backend.wait_pending_comm_ops()
+        for handle in [*self._framework_hooks, *self._autograd_hooks, *self._optimizer_hooks]:
+            handle.remove()
+        self._framework_hooks, self._autograd_hooks, self._optimizer_hooks = [], [], []
 
     def __repr__(self) -> str:
         return (
