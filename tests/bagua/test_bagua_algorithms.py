@@ -181,3 +181,27 @@ def test_custom_algorithm_and_no_sync():
         torch.testing.assert_close(local, grads(ref, data(r)[0][:8], data(r)[1][:8]))
         for p, *hs in zip(accumulated, *halves, strict=True):
             torch.testing.assert_close(p, sum(hs) / 4)
+
+
+def _core_optimizer_with_bagua_communicator():
+    from gossamer import optim
+    from gossamer.bagua.communicators import PeerAverage
+
+    bagua.init_process_group()
+    r = bagua.get_rank()
+    m = model(0)
+    opt = optim.AdaptWithCombine(sgd(m), m, communicator=PeerAverage("shift_one"))
+    x, y = data(r)
+    out = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss(m, x, y).backward()
+        opt.step()
+        out.append(flat(m))
+    opt.close()
+    return out
+
+
+def test_gossamer_optimizers_take_the_bagua_communicators():
+    got = run_distributed(_core_optimizer_with_bagua_communicator, 4)
+    _check(got, decentralized_reference(4, STEPS, "shift_one"))
