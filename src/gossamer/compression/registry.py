@@ -138,4 +138,7 @@ def _convert(text: str, kind: str, key: str) -> object:
             return int(text)
         return float(text)
     except (KeyError, ValueError):
-        raise ValueError(f"{key} must be a {kind}; got {text!r}") from None
+        raise ValueError(f"{key} must be {_KINDS[kind]}; got {text!r}") from None
+
+
+_KINDS = {"float": "a float", "int": "an int", "bool": "a bool (true/false)"}
