@@ -8,13 +8,13 @@ library's compressors (which are tested on their own in tests/unit).
 
 import pytest
 import torch
-from problems import least_squares_data, least_squares_optimum, linear_model
 
 import gossamer
 from gossamer import communicators, optim
 from gossamer import topology as topo
 from gossamer.compression import Payload, get_compressor
 from gossamer.testing import run_distributed
+from problems import least_squares_data, least_squares_optimum, linear_model
 
 
 def _start(rank, numel=1000):
@@ -151,7 +151,10 @@ def _topk_least_squares(steps):
         torch.optim.SGD(model.parameters(), lr=0.05), model, compression="topk:0.4"
     )
     A, b = least_squares_data(gossamer.rank())
-    for _ in range(steps):
+    # EF's residuals hold each rank's share of the compression error, so x trails the
+    # exact iterate by O(lr): a decaying step size brings it to the optimum.
+    for step in range(steps):
+        opt.param_groups[0]["lr"] = 0.1 * 0.995**step
         opt.zero_grad()
         ((model(A).squeeze(1) - b) ** 2).mean().backward()
         opt.step()
@@ -160,7 +163,7 @@ def _topk_least_squares(steps):
 
 def test_topk_gradient_allreduce_with_error_feedback_reaches_the_optimum():
     optimum = least_squares_optimum(4)
-    for weight in run_distributed(_topk_least_squares, 4, args=(600,)):
+    for weight in run_distributed(_topk_least_squares, 4, args=(1000,)):
         assert (weight - optimum).norm() < 1e-4
 
 
