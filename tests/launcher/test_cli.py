@@ -28,11 +28,14 @@ def _plan(argv):
     return cli._plan(cli.build_parser().parse_args(ours), cmd)
 
 
-def test_single_machine_plan_is_standalone_torchrun():
-    plan = _plan(["run", "-np", "3", "a.py", "x"])
-    assert plan["torchrun"] == [
-        "--standalone",
+def test_single_machine_plan_rendezvouses_on_loopback():
+    plan = _plan(["run", "-np", "3", "--rdzv-id", "job", "a.py", "x"])
+    assert plan.loopback and plan.hosts is None
+    assert plan.torchrun == [
         "--nnodes=1",
+        "--rdzv-backend=gossamer-loopback",
+        "--rdzv-endpoint=127.0.0.1:0",
+        "--rdzv-id=job",
         "--nproc-per-node=3",
         "--max-restarts=0",
         "a.py",
@@ -40,15 +43,22 @@ def test_single_machine_plan_is_standalone_torchrun():
     ]
 
 
+def test_the_loopback_backend_name_matches_the_module():
+    from gossamer.launcher import loopback
+
+    assert f"--rdzv-backend={loopback.BACKEND}" in _plan(["run", "-np", "2", "a.py"]).torchrun
+
+
 def test_multi_machine_plan_uses_the_rendezvous_endpoint():
     plan = _plan(["run", "-np", "8", "--nnodes", "2", "--rdzv-endpoint", "h:1234", "-m", "m"])
-    assert plan["torchrun"][:4] == [
+    assert not plan.loopback
+    assert plan.torchrun[:4] == [
         "--nnodes=2",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=h:1234",
         "--rdzv-id=gossamer",
     ]
-    assert plan["torchrun"][4:] == ["--nproc-per-node=4", "--max-restarts=0", "--module", "m"]
+    assert plan.torchrun[4:] == ["--nproc-per-node=4", "--max-restarts=0", "--module", "m"]
 
 
 @pytest.mark.parametrize(
@@ -115,7 +125,7 @@ def test_local_hosts():
 def test_launcher_node_rank_uses_static_rendezvous():
     argv = ["run", "--nnodes", "4", "--node-rank", "2", "--nproc-per-node", "2",
             "--rdzv-endpoint", "10.77.0.1:29511", "a.py", "--x"]  # fmt: skip
-    assert _plan(argv)["torchrun"] == [
+    assert _plan(argv).torchrun == [
         "--nnodes=4",
         "--rdzv-backend=static",
         "--master-addr=10.77.0.1",
