@@ -112,10 +112,6 @@ class Forwarder:
         self._requests.put(_Source(fd, dest, prefix.encode(), log_fd, keepalive_fd))
         self._wake()
 
-    def write(self, dest: int, text: str) -> None:
-        """Write ``text`` (the launcher's own message) without cutting into a rank's line."""
-        self._write(dest, text.encode(errors="replace"))
-
     def close(self) -> None:
         """Forward everything the pipes still hold, then stop; idempotent."""
         if self._closed:
@@ -163,7 +159,9 @@ class Forwarder:
                 self._selector.register(request.fd, selectors.EVENT_READ, request)
 
     def _read(self, source: _Source, *, drain: bool = False) -> None:
-        while True:
+        # Draining reads what the pipe holds, and a little more; not forever, should
+        # something the rank left behind still be writing.
+        for _ in range(_PIPE_SIZE // _READ_SIZE + 4 if drain else 1):
             try:
                 data = os.read(source.fd, _READ_SIZE)
             except BlockingIOError:
@@ -175,8 +173,6 @@ class Forwarder:
                 self._finish(source)
                 return
             self._take(source, data)
-            if not drain and len(data) < _READ_SIZE:
-                return
 
     def _take(self, source: _Source, data: bytes) -> None:
         pending = source.pending
