@@ -12,7 +12,9 @@ import time
 import pytest
 
 SLEEPER = textwrap.dedent("""
-    import os, time
+    import os, signal, sys, time
+    if "--ignore-sigterm" in sys.argv:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(f"ready {os.environ['RANK']} {os.getpid()}", flush=True)
     time.sleep(600)
 """)
@@ -21,9 +23,9 @@ SLEEPER = textwrap.dedent("""
 class Job:
     """``gossamer run`` in a subprocess whose stdout lines are read as they come."""
 
-    def __init__(self, args, tmp_path, env=None):
+    def __init__(self, args, tmp_path, env=None, script_args=()):
         (tmp_path / "sleeper.py").write_text(SLEEPER)
-        cmd = [sys.executable, "-m", "gossamer.launcher", "run", *args, "sleeper.py"]
+        cmd = [sys.executable, "-m", "gossamer.launcher", "run", *args, "sleeper.py", *script_args]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -86,6 +88,23 @@ def test_a_signal_stops_every_rank_with_one_line_and_the_shells_code(tmp_path, s
     returncode, stderr = job.stop(sig)
     assert returncode == code, stderr
     assert stderr.splitlines() == [f"gossamer run: interrupted; stopped {np_} ranks"]
+    _assert_all_gone(pids.values())
+
+
+def test_a_second_signal_kills_ranks_that_ignore_sigterm_at_once(tmp_path):
+    # A grace period longer than Job.stop waits: only the second signal can end the job.
+    env = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "900"}
+    job = Job(["-np", "2"], tmp_path, env=env, script_args=["--ignore-sigterm"])
+    pids = job.rank_pids(2)
+    job.proc.send_signal(signal.SIGINT)
+    # The ranks ignore the SIGTERM they get; the launcher waits out the grace period...
+    with pytest.raises(subprocess.TimeoutExpired):
+        job.proc.wait(timeout=3)
+    assert all(_alive(pid) for pid in pids.values())
+    # ...unless a second Ctrl-C comes.
+    returncode, stderr = job.stop(signal.SIGINT)
+    assert returncode == 130, stderr
+    assert stderr.splitlines() == ["gossamer run: interrupted; stopped 2 ranks"]
     _assert_all_gone(pids.values())
 
 
