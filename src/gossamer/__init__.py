@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ pr
         allgather,
         allreduce,
         allreduce_,
+        alltoall,
         barrier,
         broadcast,
         broadcast_,
@@ -90,6 +91,7 @@ _SOURCES: dict[str, str] = {
         [
             "Handle",
             "allgather",
+            "alltoall",
             "allreduce",
             "allreduce_",
             "barrier",
@@ -123,6 +125,7 @@ __all__ = [
     "allgather",
     "allreduce",
     "allreduce_",
+    "alltoall",
     "barrier",
     "broadcast",
     "broadcast_",
