@@ -24,6 +24,7 @@ from gossamer.transport import (
 
 __all__ = [
     "allgather",
+    "alltoall",
     "allreduce",
     "allreduce_",
     "barrier",
@@ -198,6 +199,45 @@ def allgather(
         return torch.cat([p[: s[0]] for p, s in zip(parts, shapes, strict=True)])
 
     return transport.run("allgather", body, async_op)
+
+
+def alltoall(
+    tensor: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    """Split ``tensor`` along dim 0 into ``size`` equal blocks; block k goes to rank k.
+
+    The result holds, in rank order, the block every rank sent to this one (out of place;
+    the same shape and dtype on every rank).
+
+    Raises:
+        ValueError: dim 0 is not a multiple of the group size, or ``tensor`` is a scalar.
+        PeerError: ranks passed different dtypes or shapes.
+
+    Example:
+        >>> gossamer.alltoall(torch.tensor([10, 11]) + 2 * gossamer.rank())
+        tensor([10, 12])  # Rank 0 of 2
+        tensor([11, 13])  # Rank 1
+    """
+    check_tensor(tensor, _ANY_DTYPE, "alltoall")
+    size = group_size(group)
+    if tensor.dim() == 0 or tensor.shape[0] % size:
+        raise ValueError(
+            f"alltoall: tensor dim 0 must be a multiple of the group size {size}; "
+            f"got shape {tuple(tensor.shape)}"
+        )
+
+    def body() -> torch.Tensor:
+        transport.check_same_call("alltoall", tensor, group)
+        source = tensor.contiguous()
+        out = torch.empty_like(source)
+        work = dist.all_to_all_single(out, source, group=group, async_op=True)
+        transport.wait_works("alltoall", [(-1, work)])
+        return out
+
+    return transport.run("alltoall", body, async_op)
 
 
 def barrier(*, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle | None:

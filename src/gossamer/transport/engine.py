@@ -41,9 +41,20 @@ class Engine:
                     future.set_exception(err)
 
     def submit(self, op: str, fn: Callable[[], Any], deadline_s: float) -> Handle:
-        """Queue ``fn``; return a handle to its result."""
+        """Queue ``fn``; return a handle to its result.
+
+        Called from a job already running on the thread (an operation made of operations,
+        such as a compressed allreduce), ``fn`` runs at once, in place: queueing it behind
+        the running job would wait for itself.
+        """
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((future, timeline.traced(op, fn)))  # "queued" until the thread runs it
+        if threading.current_thread() is self._thread:
+            try:
+                future.set_result(fn())
+            except BaseException as err:  # handed to the caller, who re-raises it
+                future.set_exception(err)
+        else:
+            self._jobs.put((future, timeline.traced(op, fn)))  # "queued" until it runs
         return Handle(future, op, deadline_s)
 
     def close(self) -> None:

@@ -56,6 +56,8 @@ OPS = (
     "window.grant",
     "window.unlock",
     "window.stop",
+    "alltoall",
+    "compressed_gossip",
 )
 
 

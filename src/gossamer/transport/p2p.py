@@ -116,11 +116,13 @@ def exchange(
     group: dist.ProcessGroup | None = None,
     *,
     any_first_dim: bool = False,
+    codec: int = 0,
 ) -> dict[int, torch.Tensor]:
     """Send ``sends[d]`` to every ``d`` and receive one tensor from every rank in ``sources``.
 
     Ranks are ranks of ``group``. ``tensor`` is this rank's argument, against which the
-    peers' headers are checked (all dims, or all but the first with ``any_first_dim``).
+    peers' headers are checked (all dims, or all but the first with ``any_first_dim``),
+    and the payload codec: a compressed payload names its compressor with ``codec``.
 
     The returned tensors are reused by the next exchange: consume them before returning.
 
@@ -128,7 +130,7 @@ def exchange(
         PeerError: a source called another operation, dtype or shape. The data is still
             received (and dropped) first, so the sender does not hang.
     """
-    mine = Header.of(op, tensor)
+    mine = Header.of(op, tensor, codec=codec)
     encoded = mine.encode()
     heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
     buffers = context.runtime().component("transport.buffers", Buffers)
