@@ -7,9 +7,8 @@ from torch import nn
 import gossamer.bagua as bagua
 from gossamer import topology as topo
 from gossamer.bagua.algorithms import bytegrad, decentralized, q_adam
+from gossamer.compression import MinMaxUInt8
 from gossamer.testing import run_distributed
-
-MinMaxUInt8 = pytest.importorskip("gossamer.compression").MinMaxUInt8  # until it is merged
 
 N = 4
 D_IN, HIDDEN = 24, 16

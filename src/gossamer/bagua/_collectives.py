@@ -1,7 +1,7 @@
 """Collectives Bagua offers and :mod:`gossamer.ops` does not, on gossamer's transport.
 
 Reductions other than sum and average, ``reduce``, ``gather``, ``scatter``,
-``reduce_scatter``, ``alltoall``, ``send`` and ``recv``. They keep gossamer's rules: each
+``reduce_scatter``, ``alltoall_v``, ``send`` and ``recv``. They keep gossamer's rules: each
 runs on gossamer's communication thread (so it is ordered with every other gossamer
 operation of the process), a collective first checks with one small allgather that every
 rank made the same call (operation, dtype, element count, root), and waits raise errors
@@ -24,7 +24,6 @@ from gossamer.transport import DTYPES, check_rank, check_tensor, group_rank, gro
 __all__ = [
     "ReduceOp",
     "allreduce",
-    "alltoall",
     "alltoall_v",
     "gather",
     "recv",
@@ -62,7 +61,7 @@ _TORCH_OPS = {
     ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
 _BITWISE = (ReduceOp.BOR, ReduceOp.BAND, ReduceOp.BXOR)
-_CALLS = ("allreduce", "reduce", "alltoall", "reduce_scatter", "gather", "scatter")
+_CALLS = ("allreduce", "reduce", "reduce_scatter", "gather", "scatter")
 _MAGIC = 0xBA6A
 
 
@@ -175,25 +174,6 @@ def split_count(tensor: torch.Tensor, size: int, name: str, what: str) -> int:
             f"got {tensor.numel()}"
         )
     return tensor.numel() // size
-
-
-def alltoall(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """Exchange equal chunks: chunk ``j`` of the flat ``tensor`` goes to rank ``j``.
-
-    Chunk ``i`` of the 1-D result came from rank ``i``.
-    """
-    check_tensor(tensor, DTYPES, "alltoall")
-    split_count(tensor, group_size(group), "alltoall", "send_tensor")
-
-    def body() -> torch.Tensor:
-        _check_same("alltoall", tensor, group)
-        flat = tensor.contiguous().reshape(-1)
-        out = torch.empty_like(flat)
-        work = dist.all_to_all_single(out, flat, group=group, async_op=True)
-        transport.wait_works("alltoall", [(-1, work)])
-        return out
-
-    return transport.run("alltoall", body, False)
 
 
 def alltoall_v(

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+import gossamer.bagua._collectives as C
 from gossamer import ops
-from gossamer.bagua import _collectives as C
 from gossamer.bagua._collectives import ReduceOp, check_recv, write_into
 from gossamer.bagua._groups import BaguaCommunicator, resolve
 
@@ -148,7 +148,8 @@ def alltoall(
     c = resolve(comm)
     if c is not None:
         check_recv(recv_tensor, send_tensor.numel(), "alltoall")
-        write_into(recv_tensor, C.alltoall(send_tensor, c.group), "alltoall")
+        C.split_count(send_tensor, c.nranks(), "alltoall", "send_tensor")
+        write_into(recv_tensor, ops.alltoall(send_tensor.reshape(-1), group=c.group), "alltoall")
 
 
 def alltoall_inplace(tensor: torch.Tensor, comm: BaguaCommunicator | None = None) -> None:

@@ -28,8 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import gossamer.bagua._collectives as C
 from gossamer import context, ops
-from gossamer.bagua import _collectives as C
 from gossamer.bagua._collectives import ReduceOp, check_recv, reduce_op, write_into
 from gossamer.bagua._exchanges import (
     allgather,

@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from gossamer import ops
-from gossamer.bagua import _collectives
+from gossamer import ops, transport
 from gossamer.bagua._groups import CommMember, default_group
-from gossamer.bagua._wire import from_bytes, to_bytes
 from gossamer.bagua.communicators import GroupCommunicator
-from gossamer.communicators import Deferred, Pending
+from gossamer.communicators import CompressedAllreduce, Pending
+from gossamer.communicators.compressed import codec_id
+from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.topology import Topology
 
 __all__ = ["LowPrecisionGossip", "ScatterGatherCompressed", "resolve_compressor"]
@@ -36,24 +36,15 @@ __all__ = ["LowPrecisionGossip", "ScatterGatherCompressed", "resolve_compressor"
 _NAMES = {"MinMaxUInt8": "uint8"}
 
 
-def resolve_compressor(compression: Any) -> Any:
-    """A compressor object for ``compression`` (an object, or a name).
+def resolve_compressor(compression: str | Compressor) -> Compressor:
+    """The compressor that ``compression`` names (Bagua's ``"MinMaxUInt8"`` is ``"uint8"``).
 
     Raises:
-        TypeError: neither a name nor an object with ``compress`` and ``decompress``.
+        ValueError, TypeError: as :func:`gossamer.compression.get_compressor`.
     """
     if isinstance(compression, str):
-        from gossamer.compression import get_compressor
-
-        return get_compressor(_NAMES.get(compression, compression))
-    if callable(getattr(compression, "compress", None)) and callable(
-        getattr(compression, "decompress", None)
-    ):
-        return compression
-    raise TypeError(
-        "compression must be a compressor (compress/decompress) or a name such as "
-        f"'MinMaxUInt8'; got {compression!r}"
-    )
+        compression = _NAMES.get(compression, compression)
+    return get_compressor(compression)
 
 
 def _leaders() -> Any:
@@ -63,14 +54,14 @@ def _leaders() -> Any:
 
 
 class _Compressed(GroupCommunicator):
-    def __init__(self, compression: Any, *, hierarchical: bool, group: Any) -> None:
+    def __init__(self, compression: str | Compressor, *, hierarchical: bool, group: Any) -> None:
         super().__init__(hierarchical=hierarchical, group=group)
         self.compressor = resolve_compressor(compression)
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
-        # The rounds compute on the waiting thread (the facade's worker thread).
-        x = flat.detach().clone()
-        return Deferred(lambda: self._round(x, index))
+        x = flat.detach().clone()  # the caller may change flat while the round runs
+        # One job on gossamer's communication thread; the operations inside run in place.
+        return transport.submit(self.name, lambda: self._round(x, index))
 
     def _round(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if not self.hierarchical:
@@ -88,11 +79,8 @@ class _Compressed(GroupCommunicator):
     def _among(self, x: torch.Tensor, index: int, group: Any, me: int, n: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return to_bytes(self.compressor.compress(t))
-
-    def _unpack(self, data: torch.Tensor, spec: Any) -> torch.Tensor:
-        return self.compressor.decompress(from_bytes(data, spec))
+    def _decode(self, buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return self.compressor.decompress(Payload(buffer.contiguous(), like.shape, like.dtype))
 
 
 class ScatterGatherCompressed(_Compressed):
@@ -118,7 +106,7 @@ class ScatterGatherCompressed(_Compressed):
 
     def __init__(
         self,
-        compression: Any = "MinMaxUInt8",
+        compression: str | Compressor = "MinMaxUInt8",
         *,
         average: bool = True,
         hierarchical: bool = False,
@@ -128,27 +116,38 @@ class ScatterGatherCompressed(_Compressed):
         if not isinstance(average, bool):
             raise TypeError(f"average must be a bool; got {average!r}")
         self.average = average
+        # Over the whole world this is gossamer's compressed allreduce (Bagua: no feedback).
+        self._world = None
+        if not hierarchical and group is None:
+            self._world = CompressedAllreduce(
+                self.compressor, error_feedback=False, average=average
+            )
+
+    def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
+        if self._world is not None:
+            self._world.next_round()
+            return self._world.start(flat, index)
+        return super()._start(flat, index)
 
     def _machine_average(self) -> bool:
         return self.average
 
     def _among(self, x: torch.Tensor, index: int, group: Any, me: int, n: int) -> torch.Tensor:
-        numel = x.numel()
-        count = math.ceil(numel / n)
-        padded = x.new_zeros(n * count)
-        padded[:numel] = x.reshape(-1)
-        wires = [self._pack(chunk) for chunk in padded.view(n, count)]
-        spec = wires[0][1]
-        received = _collectives.alltoall(torch.cat([w for w, _ in wires]), group).view(n, -1)
-        mine = self._unpack(received[0], spec).clone()
+        flat = x.reshape(-1)
+        count = math.ceil(flat.numel() / n)
+        padded = flat.new_zeros(n * count)
+        padded[: flat.numel()] = flat
+        chunks = padded.view(n, count)
+        sent = torch.cat([self.compressor.compress(c).buffer for c in chunks])
+        received = ops.alltoall(sent, group=group).view(n, -1)
+        mine = self._decode(received[0], chunks[0]).clone()
         for i in range(1, n):
-            mine.add_(self._unpack(received[i], spec))
+            mine.add_(self._decode(received[i], chunks[0]))
         if self.average:
             mine.div_(n)
-        wire, spec = self._pack(mine)
-        gathered = ops.allgather(wire, group=group).view(n, -1)
-        out = torch.cat([self._unpack(gathered[i], spec).reshape(-1) for i in range(n)])
-        return out[:numel].view_as(x)
+        gathered = ops.allgather(self.compressor.compress(mine).buffer, group=group).view(n, -1)
+        out = torch.cat([self._decode(gathered[i], chunks[0]) for i in range(n)])
+        return out[: flat.numel()].view_as(x)
 
 
 class LowPrecisionGossip(_Compressed):
@@ -180,7 +179,7 @@ class LowPrecisionGossip(_Compressed):
 
     def __init__(
         self,
-        compression: Any = "MinMaxUInt8",
+        compression: str | Compressor = "MinMaxUInt8",
         *,
         topology: Topology | None = None,
         hierarchical: bool = False,
@@ -253,14 +252,20 @@ class LowPrecisionGossip(_Compressed):
             diff.add_(reps[key], alpha=w)
         diff.add_(reps["self"], alpha=sw - 2)
         payload = self.compressor.compress(diff)
-        wire, spec = to_bytes(payload)
         sources = sorted({j for j, _, _ in peers})
-        if sources:
-            got = ops.neighbor_allgather(wire, src_ranks=sources, dst_ranks=dsts, group=group)
-            parts = dict(zip(sources, got.view(len(sources), -1), strict=True))
-            for j, _, key in peers:
-                reps[key].add_(self._unpack(parts[j], spec).view_as(x))
-        reps["self"].add_(self.compressor.decompress(payload).view_as(x))
+        received = transport.exchange(
+            "compressed_gossip",
+            payload.buffer,
+            dict.fromkeys(dsts, payload.buffer),
+            sources,
+            group,
+            any_first_dim=True,
+            codec=codec_id(self.compressor),
+        )
+        decoded = {j: self._decode(received[j], x) for j in sources}  # before buffers are reused
+        for j, _, key in peers:
+            reps[key].add_(decoded[j])
+        reps["self"].add_(self.compressor.decompress(payload))
         return reps["self"].clone()
 
     def state_dict(self) -> dict:
