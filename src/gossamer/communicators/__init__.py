@@ -8,6 +8,7 @@ class                              one round
 ``HierarchicalNeighborAllreduce``  sum per machine, average with neighbour machines
 ``WindowPutGossip``                put into neighbours' windows; combine what arrived
 ``PushSumGossip``                  push shares of (x, p) over windows (directed graphs)
+``MoshpitAverage``                 average within the groups of one grid dimension, in turn
 ``NoCommunication``                nothing (or only the periodic global average)
 =================================  =========================================================
 
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 
 from gossamer.communicators.base import Communicator, Deferred, Pending
 from gossamer.communicators.collective import Allreduce, NoCommunication
+from gossamer.communicators.moshpit import MoshpitAverage, grid_groups, near_cubic_grid
 from gossamer.communicators.neighbor import HierarchicalNeighborAllreduce, NeighborAllreduce
 from gossamer.communicators.window import PushSumGossip, WindowPutGossip
 from gossamer.topology import Step, Topology
@@ -32,12 +34,15 @@ __all__ = [
     "Communicator",
     "Deferred",
     "HierarchicalNeighborAllreduce",
+    "MoshpitAverage",
     "NeighborAllreduce",
     "NoCommunication",
     "Pending",
     "PushSumGossip",
     "WindowPutGossip",
+    "grid_groups",
     "make",
+    "near_cubic_grid",
 ]
 
 #: every pattern by name
@@ -50,6 +55,7 @@ COMMUNICATORS: dict[str, type[Communicator]] = {
         NoCommunication,
         WindowPutGossip,
         PushSumGossip,
+        MoshpitAverage,
     )
 }
 #: the names an optimizer's ``communication=`` accepts
