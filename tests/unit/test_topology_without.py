@@ -55,9 +55,12 @@ def _survivor_graph(topology, dead):
     return graph
 
 
-def _reference_mh(topology, dead):
+def _reference_mh(topology, dead, ring_too=False):
     """Metropolis-Hastings written out with loops over the surviving undirected graph."""
     graph = _survivor_graph(topology, dead).to_undirected()
+    if ring_too:
+        alive = _alive(topology.size, dead)
+        graph.add_edges_from(zip(alive, alive[1:] + alive[:1], strict=True))
     W = np.eye(topology.size)
     for i in graph.nodes:
         W[i, i] = 1.0
@@ -100,10 +103,11 @@ def test_survivors_stay_doubly_stochastic_and_dead_ranks_are_isolated(graph, siz
 @pytest.mark.parametrize(("graph", "size", "dead"), [c for c in CASES if c[0] != "exponential_two"])
 def test_undirected_graphs_get_metropolis_hastings(graph, size, dead):
     original = GRAPHS[graph](size)
-    if not _connected(original, dead):
-        pytest.skip("disconnected survivors: covered by the connect tests")
+    split = not _connected(original, dead)  # then the ring through the survivors is added
     np.testing.assert_allclose(
-        original.without(dead).weights, _reference_mh(original, dead), atol=1e-15
+        original.without(dead, connect=split).weights,
+        _reference_mh(original, dead, ring_too=split),
+        atol=1e-15,
     )
 
 

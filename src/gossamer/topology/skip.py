@@ -19,7 +19,6 @@ peer is dead:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Collection, Iterator
 
 from gossamer.topology.dynamic import Step
@@ -132,7 +131,7 @@ def _kept(step: Step, dead: frozenset[int]) -> Step:
 def _skipping(
     steps: _Steps, size: int, rank: int, dead: Collection[int], mode: str
 ) -> Iterator[Step]:
-    for _ in itertools.count():
+    while True:
         steps.advance()
         now = frozenset(dead_set(dead, size, "dead"))
         if rank in now:

@@ -204,7 +204,7 @@ def without(
     if not dead:
         return topology
     rule = _resolve_rule(topology, rule)
-    alive = [r for r in range(size) if r not in set(dead)]
+    alive = sorted(set(range(size)) - set(dead))
     if not alive:
         raise ValueError(f"ranks must leave at least one rank alive; got all {size} ranks")
     if rule == "metropolis_hastings" and not np.array_equal(
