@@ -20,6 +20,7 @@ MODULES = {
     "gossamer.windows": "one-sided windows",
     "gossamer.optim": "decentralized optimizers and training helpers",
     "gossamer.fusion": "flat buckets for tensor fusion",
+    "gossamer.compression": "compressors, error feedback, registry (pure tensor transforms)",
     "gossamer.profiling": "timeline (Chrome trace)",
     "gossamer.testing": "the distributed test harness",
     "gossamer.models": "small models for examples and benchmarks",
