@@ -195,7 +195,7 @@ class STC(Compressor):
     the Rice parameter (1 byte), the ``k`` signs (1 bit each), then the sorted positions as
     gaps ``g`` between them, Rice-coded with the STC-optimal parameter ``b*``
     (:func:`~gossamer.compression.packing.rice_parameter`): ``b*`` bits of ``g mod 2^b*`` plus
-    ``g >> b*`` in unary, about ``b* + 2`` bits per position (8.6 at ``ratio=0.01``) instead
+    ``g >> b*`` in unary, about ``b* + 2`` bits per position (8 at ``ratio=0.01``) instead
     of 32.
 
     The size depends on the positions: ``payload_nbytes`` is an upper bound and
