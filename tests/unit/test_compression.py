@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import doctest
+import importlib
 
 import pytest
 import torch
@@ -314,3 +316,13 @@ def test_subclass_contract():
     assert issubclass(TopK, Compressor)
     with pytest.raises(TypeError):
         Compressor()
+
+
+@pytest.mark.parametrize(
+    "module", ["minmax", "error_feedback", "registry", "packing"], ids=lambda name: name
+)
+def test_docstring_examples_run(module):
+    mod = importlib.import_module(f"gossamer.compression.{module}")
+    names = {**vars(importlib.import_module("gossamer.compression")), "torch": torch}
+    result = doctest.testmod(mod, extraglobs={**names, **vars(mod)}, report=False)
+    assert result.failed == 0 and result.attempted > 0
