@@ -52,9 +52,11 @@ def _top_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     if numel < 8 * _SAMPLE or 8 * k > numel:
         return torch.topk(flat.abs(), k, sorted=False).indices
     picks = torch.arange(_SAMPLE, device=flat.device) * _GOLDEN % numel
-    # Aim at 1.25 k candidates: the sample quantile's relative spread is about
-    # 1 / sqrt(rank) (3 % here), so fewer than k pass with negligible probability.
-    rank = min(_SAMPLE, math.ceil(1.25 * k * _SAMPLE / numel) + 16)
+    # About `expected` sampled entries lie above the k-th largest magnitude, give or take
+    # sqrt(expected): taking the threshold 4 such deviations lower lets fewer than k
+    # entries through with negligible probability, at the cost of a few extra candidates.
+    expected = k * _SAMPLE / numel
+    rank = min(_SAMPLE, math.ceil(expected + 4 * math.sqrt(expected)) + 16)
     threshold = torch.topk(flat[picks].abs(), rank, sorted=False).values.min()
     # Block by block: no model-sized temporary for |x| or the mask.
     candidates = torch.cat(
