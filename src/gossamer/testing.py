@@ -235,7 +235,16 @@ def _context() -> mp.context.BaseContext:
     # of a second instead of one torch import per rank.
     ctx = mp.get_context("forkserver")
     # torch._dynamo is what the first torch.optim optimizer imports: seconds per rank.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "gossamer"])
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "torch.distributed",
+            "torch._dynamo",
+            "gossamer.context",
+            "gossamer.ops",
+            "gossamer.windows",
+        ]
+    )
     return ctx
 
 

@@ -66,7 +66,7 @@ def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
+    except OSError:  # FileNotFoundError, or ProcessLookupError when it goes while read
         return False
 
 
@@ -140,5 +140,24 @@ def _parent(pid):
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return int(stat.read().rpartition(")")[2].split()[1])
-    except (FileNotFoundError, ProcessLookupError):
+    except OSError:
         return None
+
+
+def test_children_with_a_marker_are_only_the_launchs_own(tmp_path):
+    from gossamer.launcher.signals import children
+
+    ours = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, "TORCHELASTIC_ERROR_FILE": f"{tmp_path}/1.rank.0.error.json"},
+    )
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert {ours.pid, other.pid} <= set(children())
+        assert children(f"TORCHELASTIC_ERROR_FILE={tmp_path}/".encode()) == [ours.pid]
+    finally:
+        ours.kill()
+        other.kill()
+        ours.wait()
+        other.wait()
+    assert ours.pid not in children() and other.pid not in children()

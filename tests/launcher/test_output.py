@@ -161,6 +161,24 @@ def test_a_closed_destination_does_not_stop_the_draining(tmp_path):
     assert (tmp_path / "err").read_bytes() == b""  # a broken pipe is not worth a message
 
 
+def test_a_failure_in_the_forwarder_is_reported_and_the_rank_never_blocks(sink, monkeypatch):
+    _, err, (out_fd, err_fd) = sink
+    forwarder = Forwarder(out_fd, err_fd)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(forwarder, "_emit", broken)
+    read_fd, write_fd = os.pipe()
+    forwarder.add(read_fd, dest=1)
+    thread = threading.Thread(target=_writer, args=(write_fd, [b"v" * 1000 + b"\n"] * 2000))
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    forwarder.close()
+    assert "forwarding a rank's output failed: RuntimeError('bug')" in err.read_text()
+
+
 def test_dest_must_be_stdout_or_stderr(sink):
     _, _, (out_fd, err_fd) = sink
     forwarder = Forwarder(out_fd, err_fd)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import doctest
+import importlib
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,3 +319,32 @@ def test_subclass_contract():
     assert issubclass(TopK, Compressor)
     with pytest.raises(TypeError):
         Compressor()
+
+
+@pytest.mark.parametrize(
+    "module", ["minmax", "error_feedback", "registry", "packing"], ids=lambda name: name
+)
+def test_docstring_examples_run(module):
+    mod = importlib.import_module(f"gossamer.compression.{module}")
+    names = {**vars(importlib.import_module("gossamer.compression")), "torch": torch}
+    result = doctest.testmod(mod, extraglobs={**names, **vars(mod)}, report=False)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_compression_is_a_leaf_layer():
+    """It imports torch, numpy, the standard library and gossamer.errors, nothing else."""
+    package = Path(importlib.import_module("gossamer.compression").__file__).parent
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top == "gossamer":
+                    assert name == "gossamer.errors" or name.startswith("gossamer.compression")
+                else:
+                    assert top in sys.stdlib_module_names | {"torch", "numpy"}, (path.name, name)

@@ -8,6 +8,7 @@ class                              one round
 ``HierarchicalNeighborAllreduce``  sum per machine, average with neighbour machines
 ``WindowPutGossip``                put into neighbours' windows; combine what arrived
 ``PushSumGossip``                  push shares of (x, p) over windows (directed graphs)
+``MoshpitAverage``                 average within the groups of one grid dimension, in turn
 ``NoCommunication``                nothing (or only the periodic global average)
 ``CompressedAllreduce``            global average through a compressor (scatter-reduce-gather)
 ``ChocoGossip``                    compressed neighbour averaging with public copies (CHOCO)
@@ -25,6 +26,7 @@ from gossamer.communicators.base import Communicator, Deferred, Pending
 from gossamer.communicators.choco import ChocoGossip, default_gamma
 from gossamer.communicators.collective import Allreduce, NoCommunication
 from gossamer.communicators.compressed import CompressedAllreduce
+from gossamer.communicators.moshpit import MoshpitAverage, grid_groups, near_cubic_grid
 from gossamer.communicators.neighbor import HierarchicalNeighborAllreduce, NeighborAllreduce
 from gossamer.communicators.window import PushSumGossip, WindowPutGossip
 from gossamer.compression import Compressor, get_compressor
@@ -39,13 +41,16 @@ __all__ = [
     "CompressedAllreduce",
     "Deferred",
     "HierarchicalNeighborAllreduce",
+    "MoshpitAverage",
     "NeighborAllreduce",
     "NoCommunication",
     "Pending",
     "PushSumGossip",
     "WindowPutGossip",
     "default_gamma",
+    "grid_groups",
     "make",
+    "near_cubic_grid",
 ]
 
 #: every pattern by name
@@ -60,6 +65,7 @@ COMMUNICATORS: dict[str, type[Communicator]] = {
         PushSumGossip,
         CompressedAllreduce,
         ChocoGossip,
+        MoshpitAverage,
     )
 }
 #: the names an optimizer's ``communication=`` accepts

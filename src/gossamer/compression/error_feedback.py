@@ -134,6 +134,8 @@ class ErrorFeedback:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state must hold 'compressor' and 'residuals'; got {got}")
         residuals = state["residuals"]
+        if not isinstance(residuals, dict):
+            raise ValueError(f"state['residuals'] must be a dict; got {type(residuals).__name__}")
         bad = [key for key, value in residuals.items() if not isinstance(value, torch.Tensor)]
         if bad:
             raise ValueError(f"state['residuals'] must map keys to tensors; got {bad[0]!r}")

@@ -84,12 +84,8 @@ class MinMaxUInt8(Compressor):
         cdt = compute_dtype(flat.dtype)
         parts = self._parts(flat)
         header = torch.cat([_min_max(part) for part in parts])
-        buffer = torch.empty(
-            header.numel() * flat.element_size() + flat.numel(),
-            dtype=torch.uint8,
-            device=flat.device,
-        )
         hsize = header.numel() * flat.element_size()
+        buffer = torch.empty(hsize + flat.numel(), dtype=torch.uint8, device=flat.device)
         buffer[:hsize].view(flat.dtype).copy_(header.view(-1))
         scale, lower = _scale_lower(header, cdt)
         codes, row = buffer[hsize:], 0

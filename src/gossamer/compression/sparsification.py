@@ -8,7 +8,14 @@ from typing import ClassVar
 
 import torch
 
-from gossamer.compression._common import Reader, check_ratio, compute_dtype, join, kept
+from gossamer.compression._common import (
+    Reader,
+    block_slices,
+    check_ratio,
+    compute_dtype,
+    join,
+    kept,
+)
 from gossamer.compression._random import Seeded, generator
 from gossamer.compression.base import Compressor
 from gossamer.compression.packing import (
@@ -41,19 +48,26 @@ def _top_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     magnitude is estimated from a sample, and the exact top-k is taken among the entries
     above it; if fewer than ``k`` pass (an unlucky sample), the full ``topk`` decides.
     """
-    magnitude = flat.abs()
     numel = flat.numel()
     if numel < 8 * _SAMPLE or 8 * k > numel:
-        return torch.topk(magnitude, k, sorted=False).indices
+        return torch.topk(flat.abs(), k, sorted=False).indices
     picks = torch.arange(_SAMPLE, device=flat.device) * _GOLDEN % numel
-    # Aim at 1.25 k candidates: the sample quantile's relative spread is about
-    # 1 / sqrt(rank) (3 % here), so fewer than k pass with negligible probability.
-    rank = min(_SAMPLE, math.ceil(1.25 * k * _SAMPLE / numel) + 16)
-    threshold = torch.topk(magnitude[picks], rank, sorted=False).values.min()
-    candidates = torch.nonzero(magnitude >= threshold).view(-1)
+    # About `expected` sampled entries lie above the k-th largest magnitude, give or take
+    # sqrt(expected): taking the threshold 4 such deviations lower lets fewer than k
+    # entries through with negligible probability, at the cost of a few extra candidates.
+    expected = k * _SAMPLE / numel
+    rank = min(_SAMPLE, math.ceil(expected + 4 * math.sqrt(expected)) + 16)
+    threshold = torch.topk(flat[picks].abs(), rank, sorted=False).values.min()
+    # Block by block: no model-sized temporary for |x| or the mask.
+    candidates = torch.cat(
+        [
+            torch.nonzero(flat[block].abs() >= threshold).view(-1) + block.start
+            for block in block_slices(numel, flat.device)
+        ]
+    )
     if candidates.numel() < k:
-        return torch.topk(magnitude, k, sorted=False).indices
-    return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
+        return torch.topk(flat.abs(), k, sorted=False).indices
+    return candidates[torch.topk(flat[candidates].abs(), k, sorted=False).indices]
 
 
 def _scatter(numel: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -183,7 +197,7 @@ class STC(Compressor):
     the Rice parameter (1 byte), the ``k`` signs (1 bit each), then the sorted positions as
     gaps ``g`` between them, Rice-coded with the STC-optimal parameter ``b*``
     (:func:`~gossamer.compression.packing.rice_parameter`): ``b*`` bits of ``g mod 2^b*`` plus
-    ``g >> b*`` in unary, about ``b* + 2`` bits per position (8.6 at ``ratio=0.01``) instead
+    ``g >> b*`` in unary, about ``b* + 2`` bits per position (8 at ``ratio=0.01``) instead
     of 32.
 
     The size depends on the positions: ``payload_nbytes`` is an upper bound and

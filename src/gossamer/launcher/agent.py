@@ -125,17 +125,19 @@ def run_agent(
     # torchrun would pick 1 as well, but with a banner on every launch.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     loopback.register()
-    # The ranks get SIGTERM (a Python program ends quietly), whatever the launcher got.
-    interruption.raise_as = lambda signum: SignalException(
-        f"gossamer run got {signal.Signals(signum).name}", sigval=signal.SIGTERM
-    )
-    interruption.on_repeat = lambda: kill_process_trees(children())
     workdir = tempfile.mkdtemp(prefix="gossamer-run-")
+    # Every rank of this launch, and nothing else, has this in its environment.
+    ours = f"TORCHELASTIC_ERROR_FILE={workdir}{os.sep}".encode()
     forwarder = Forwarder()
     output = RankOutput(workdir, forwarder, tag_output=tag_output, log_dir=log_dir)
     messages: list[str] = []
     try:
         try:
+            # The ranks get SIGTERM (a Python program ends quietly), whatever came here.
+            interruption.raise_as = lambda signum: SignalException(
+                f"gossamer run got {signal.Signals(signum).name}", sigval=signal.SIGTERM
+            )
+            interruption.on_repeat = lambda: kill_process_trees(children(ours))
             # --log-dir: otherwise torchrun makes a /tmp/torchelastic_* directory it never
             # removes; the directory is ours and goes at the end.
             args = torchrun.parse_args([f"--log-dir={workdir}", *torchrun_argv])
@@ -160,7 +162,7 @@ def run_agent(
         # A signal can land between two steps of torchrun's start-up, before it tracks a
         # rank it has just started; ranks run in sessions of their own, so nothing else
         # would stop them.
-        leftover = children()
+        leftover = children(ours)
         kill_process_trees(leftover)
         for pid in leftover:
             with contextlib.suppress(ChildProcessError):

@@ -38,6 +38,7 @@ class _Source:
     keepalive_fd: int | None
     pending: bytearray = field(default_factory=bytearray)
     midline: bool = False  # what went out last did not end a line
+    discard: bool = False  # forwarding failed: read (so the rank never blocks), drop
 
 
 def make_fifo(path: str) -> tuple[int, int]:
@@ -74,6 +75,7 @@ class Forwarder:
         self._selector = selectors.DefaultSelector()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         self._selector.register(self._wake_read, selectors.EVENT_READ, None)
         self._requests: queue.SimpleQueue[_Source | None] = queue.SimpleQueue()
         self._sources: list[_Source] = []
@@ -136,8 +138,14 @@ class Forwarder:
             for key, _ in self._selector.select():
                 if key.data is None:
                     stopping = self._take_requests()
-                else:
+                    continue
+                try:
                     self._read(key.data)
+                except Exception as err:  # a dead thread would leave the ranks blocked
+                    self._report(f"forwarding a rank's output failed: {err!r}; it stops here")
+                    key.data.discard = True
+                    key.data.pending.clear()
+                    key.data.midline = False
         for source in list(self._sources):
             self._read(source, drain=True)
             self._finish(source)
@@ -172,7 +180,8 @@ class Forwarder:
             if not data:  # end of file: every writer is gone
                 self._finish(source)
                 return
-            self._take(source, data)
+            if not source.discard:
+                self._take(source, data)
 
     def _take(self, source: _Source, data: bytes) -> None:
         pending = source.pending

@@ -88,8 +88,14 @@ def interrupted_message(stopped: int) -> str:
     return f"gossamer run: interrupted; stopped {stopped} rank{'s' if stopped != 1 else ''}"
 
 
-def children() -> list[int]:
-    """Pids of this process's living children (Linux ``/proc``; empty elsewhere)."""
+def children(marker: bytes | None = None) -> list[int]:
+    """Pids of this process's living children (Linux ``/proc``; empty elsewhere).
+
+    Args:
+        marker (bytes, optional): keep only children whose initial environment holds this
+            ``NAME=value`` entry (or starts one with it), so that a program that calls the
+            launcher in-process keeps its other children.
+    """
     me = os.getpid()
     found = []
     with contextlib.suppress(OSError):
@@ -100,10 +106,15 @@ def children() -> list[int]:
                 with open(f"/proc/{entry.name}/stat", "rb") as stat:
                     # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
                     fields = stat.read().rpartition(b")")[2].split()
+                if int(fields[1]) != me or fields[0] == b"Z":
+                    continue
+                if marker is not None:
+                    with open(f"/proc/{entry.name}/environ", "rb") as environ:
+                        if not any(v.startswith(marker) for v in environ.read().split(b"\0")):
+                            continue
             except OSError:
                 continue  # gone meanwhile
-            if int(fields[1]) == me and fields[0] != b"Z":
-                found.append(int(entry.name))
+            found.append(int(entry.name))
     return found
 
 
