@@ -28,6 +28,7 @@ MODULES = {
     "gossamer.testing": "the distributed test harness",
     "gossamer.models": "small models for examples and benchmarks",
     "gossamer.bluefog": "the BlueFog facade (`import gossamer.bluefog as bf`)",
+    "gossamer.bagua": "the Bagua facade (`import gossamer.bagua as bagua`)",
 }
 
 
