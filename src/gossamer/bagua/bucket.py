@@ -3,10 +3,10 @@
 A :class:`BaguaBucket` packs the *effective* tensors of its Bagua tensors (gradients,
 weights, momenta, see :mod:`gossamer.bagua.tensor`) into one flat buffer
 (:class:`gossamer.fusion.Bucket`) and holds a list of operations. When every tensor of the
-bucket has been marked ready, the operations run in the order they were appended, on the
-facade's worker thread, each through a gossamer communicator. Results are copied back into
-the effective tensors; Bagua instead re-points their storage into the bucket
-(``flatten=True``), which gives the same values.
+bucket has been marked ready, the operations run in the order they were appended, as one
+job of gossamer's communication thread, each through a gossamer communicator. Results are
+copied back into the effective tensors; Bagua instead re-points their storage into the
+bucket (``flatten=True``), which gives the same values.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _writable(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Op:
-    """One operation of a bucket: ``run(bucket)`` on the worker thread."""
+    """One operation of a bucket: ``run(bucket)`` on gossamer's communication thread."""
 
     communicator: GroupCommunicator | None = None
 
@@ -330,7 +330,7 @@ class BaguaBucket:
         self._ready.clear()
 
     def execute(self) -> None:
-        """Run the operations in order (on the worker thread)."""
+        """Run the operations in order (a job of gossamer's communication thread)."""
         for op in list(self._ops):
             op.run(self)
 

@@ -5,22 +5,22 @@ training steps, re-initialize the algorithm when it asks (``need_reset``) and ru
 algorithm's forward pre-hook; a gradient hook per parameter runs its backward hook; a
 callback at the end of the backward pass runs its post-backward hook; a step hook on each
 optimizer runs its post-step hook. Marking a tensor ready hands its bucket, once complete,
-to the facade's worker thread; buckets start in order, so every rank issues its
+to gossamer's communication thread; buckets start in order, so every rank issues its
 collectives in the same order.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from typing import Any
 
 import torch
 from torch import nn
 
+from gossamer import transport
 from gossamer.bagua import env
 from gossamer.bagua._groups import BaguaProcessGroup
-from gossamer.bagua._state import state, wait
+from gossamer.bagua._state import state
 from gossamer.bagua.bucket import BaguaBucket
 from gossamer.bagua.communication import broadcast, broadcast_object
 
@@ -30,12 +30,17 @@ logger = logging.getLogger(__name__)
 
 
 class _Backend:
-    """Starts complete buckets in order on the worker thread; waits for them."""
+    """Starts complete buckets, in order, as jobs of gossamer's communication thread.
+
+    A bucket's operation list is one job: it is queued in program order with every other
+    gossamer operation of the process (so collectives pair up across ranks even when the
+    forward pass itself communicates), and the operations inside it run in place.
+    """
 
     def __init__(self) -> None:
         self.buckets: list[BaguaBucket] = []
         self._next = 0
-        self._pending: list[tuple[BaguaBucket, concurrent.futures.Future]] = []
+        self._pending: list[transport.Handle] = []
 
     def register_ordered_buckets(self, buckets: list[BaguaBucket]) -> None:
         """Use ``buckets`` from now on, in this order."""
@@ -55,7 +60,7 @@ class _Backend:
         while self._next < len(self.buckets) and self.buckets[self._next].all_ready():
             ready = self.buckets[self._next]
             ready.reset_ready()
-            self._pending.append((ready, state().worker.submit(ready.execute)))
+            self._pending.append(transport.submit(f"bagua_bucket_{ready.name}", ready.execute))
             self._next += 1
         if self._next == len(self.buckets):
             self._next = 0  # every bucket started: the next marks begin a new round
@@ -63,8 +68,8 @@ class _Backend:
     def wait_pending_comm_ops(self) -> None:
         """Wait for every started bucket's operations (re-raising their errors)."""
         pending, self._pending = self._pending, []
-        for bucket, future in pending:
-            wait(future, f"operations of bucket {bucket.name!r}")
+        for handle in pending:
+            handle.wait()
 
 
 def _check_optimizers(optimizers: object) -> list[torch.optim.Optimizer]:
