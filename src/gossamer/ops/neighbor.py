@@ -102,7 +102,8 @@ def neighbor_allreduce(
     Out of place: the input is not modified. float16 and bfloat16 are combined in float32.
 
     Args:
-        tensor (torch.Tensor): this rank's value (floating point); same shape on every rank.
+        tensor (torch.Tensor): this rank's value (floating point or complex); same shape on
+            every rank.
         self_weight (float, optional): weight of this rank's own value.
         src_weights (Mapping[int, float], optional): receive weight per source rank.
         dst_weights (Mapping[int, float] | Sequence[int], optional): destinations (dynamic).

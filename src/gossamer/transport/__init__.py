@@ -1,7 +1,8 @@
 """The transport: how gossamer's operations and windows reach other ranks.
 
 One communication thread per process (:mod:`~gossamer.transport.engine`), one call header
-(:mod:`~gossamer.transport.header`), point-to-point exchanges in chunks with same-call
+(:mod:`~gossamer.transport.header`), payloads as raw bytes
+(:mod:`~gossamer.transport.payload`), point-to-point exchanges in chunks with same-call
 checks (:mod:`~gossamer.transport.p2p`), errors that name the peer
 (:mod:`~gossamer.transport.failures`), and argument checks at the public boundary
 (:mod:`~gossamer.transport.checks`). ``gossamer.ops`` and ``gossamer.windows`` stand on it.
@@ -25,6 +26,7 @@ from gossamer.transport.failures import wait_works
 from gossamer.transport.handle import Handle
 from gossamer.transport.header import DTYPES, HEADER_LEN, OPS, Header
 from gossamer.transport.p2p import check_same_call, exchange
+from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
 
 __all__ = [
     "AVERAGING_DTYPES",
@@ -33,6 +35,7 @@ __all__ = [
     "OPS",
     "Handle",
     "Header",
+    "as_bytes",
     "check_rank",
     "check_rank_list",
     "check_same_call",
@@ -41,8 +44,10 @@ __all__ = [
     "check_weight",
     "check_weights",
     "exchange",
+    "from_bytes",
     "group_rank",
     "group_size",
+    "nbytes_of",
     "run",
     "submit",
     "wait_works",

@@ -35,6 +35,12 @@ DTYPES = (
     torch.int8,
     torch.uint8,
     torch.bool,
+    # Appended, so the indices above keep their meaning on the wire.
+    torch.complex64,
+    torch.complex128,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
 )
 OPS = (
     "allreduce",

@@ -4,7 +4,8 @@ Before its data, every neighbour exchange sends a :class:`~gossamer.transport.he
 (operation, dtype, shape). The receiver checks it against its own call and sizes its buffer
 from it, so a peer that called another operation or passed another shape produces an error
 naming both sides, not garbage or a hang. Headers and data travel on different tags, so a
-stray data message can never be taken for a header.
+stray data message can never be taken for a header. Data travels as raw bytes
+(:mod:`~gossamer.transport.payload`), so every dtype works on every backend.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gossamer.errors import PeerError
 from gossamer.profiling import timeline
 from gossamer.transport.failures import wait_works
 from gossamer.transport.header import HEADER_LEN, Header
+from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
 
 __all__ = ["check_same_call", "exchange"]
 
@@ -40,7 +42,7 @@ class Buffers:
 
     A fresh multi-megabyte allocation costs page faults on every call. Operations run one
     at a time on the communication thread and consume their buffers before they return, so
-    one buffer per (peer, dtype, size) suffices.
+    one buffer per (peer, size in bytes) suffices. Buffers are bytes, viewed as the dtype.
     """
 
     def __init__(self, limit_bytes: int = 512 * 2**20) -> None:
@@ -48,18 +50,18 @@ class Buffers:
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     def get(self, head: Header, device: torch.device, peer: int) -> torch.Tensor:
-        """A tensor of ``head``'s dtype and shape for what ``peer`` sends."""
-        numel = head.numel
-        key = (peer, head.dtype, numel, device)
+        """A flat ``uint8`` tensor of the size of what ``peer`` sends, as ``head`` describes."""
+        size = nbytes_of(head.dtype, head.numel)
+        key = (peer, size, device)
         flat = self._cache.pop(key, None)
         if flat is None:
-            flat = torch.empty(numel, dtype=head.dtype, device=device)
+            flat = torch.empty(size, dtype=torch.uint8, device=device)
         self._cache[key] = flat
         while (
             sum(t.nbytes for t in self._cache.values()) > self.limit_bytes and len(self._cache) > 1
         ):
             self._cache.popitem(last=False)
-        return flat.view(head.shape)
+        return flat
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -67,16 +69,16 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
 
 
 def _chunks(tensor: torch.Tensor, remote: bool) -> list[torch.Tensor]:
-    """``tensor`` as consecutive pieces of about ``_CHUNK_BYTES`` (views where it can be).
+    """``tensor`` (flat bytes) as consecutive pieces of about ``_CHUNK_BYTES`` (views).
 
     Only messages to or from another machine are split: on one machine the pieces cost
-    more than they gain. Both sides split by element count and by machine alone, so a
+    more than they gain. Both sides split by byte count and by machine alone, so a
     sender's pieces match its receiver's.
     """
     if not remote or tensor.device.type != "cpu" or tensor.nbytes <= _CHUNK_BYTES:
         return [tensor]  # NCCL coalesces a batch itself
     pieces = min(_MAX_CHUNKS, math.ceil(tensor.nbytes / _CHUNK_BYTES))
-    return list(tensor.reshape(-1).tensor_split(pieces))
+    return list(tensor.tensor_split(pieces))
 
 
 def _p2p(
@@ -86,7 +88,7 @@ def _p2p(
     group: dist.ProcessGroup | None,
     tag: int,
 ) -> None:
-    """Post every send and receive at once, in chunks with tags ``tag``, ``tag + 1``, ..."""
+    """Post every send and receive (flat bytes) at once, in chunks with tags ``tag``, ..."""
     layout = context.layout()
 
     def pieces(peer: int, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -132,18 +134,26 @@ def exchange(
     encoded = mine.encode()
     heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
     buffers = context.runtime().component("transport.buffers", Buffers)
+    header_bytes = as_bytes(encoded)
     with timeline.record(op, "communicating"):
-        _p2p(op, [(d, encoded) for d in sends], list(heads.items()), group, _HEADER_TAG)
+        _p2p(
+            op,
+            [(d, header_bytes) for d in sends],
+            [(s, as_bytes(h)) for s, h in heads.items()],
+            group,
+            _HEADER_TAG,
+        )
         theirs = {s: Header.decode(h) for s, h in heads.items()}
-        received = {s: buffers.get(h, tensor.device, s) for s, h in theirs.items()}
-        _p2p(op, list(sends.items()), list(received.items()), group, _DATA_TAG)
+        raw = {s: buffers.get(h, tensor.device, s) for s, h in theirs.items()}
+        payloads = [(d, as_bytes(t)) for d, t in sends.items()]
+        _p2p(op, payloads, list(raw.items()), group, _DATA_TAG)
     wrong = [s for s, h in theirs.items() if not mine.matches(h, any_first_dim)]
     if wrong:
         text = "; ".join(f"rank {_global(group, s)} called {theirs[s].describe()}" for s in wrong)
         raise PeerError(
             f"{op}: mismatched call: rank {context.rank()} called {mine.describe()}, but {text}"
         )
-    return received
+    return {s: from_bytes(raw[s], h.dtype, h.shape) for s, h in theirs.items()}
 
 
 def check_same_call(
