@@ -2,9 +2,10 @@
 
 Each checks first (one small allgather of a call header) that every rank called the same
 operation on the same dtype and shape, so a mismatch raises on every rank instead of
-producing garbage or a hang. Broadcast and allgather move raw bytes, so they take any dtype;
-allreduce sums in a dtype the backend has kernels for (see :func:`reduce_into`) and returns
-the caller's.
+producing garbage or a hang; a rank that rejects its arguments still takes part in that
+allgather, so the others raise :class:`~gossamer.errors.PeerArgumentError` at once.
+Broadcast and allgather move raw bytes, so they take any dtype; allreduce sums in a dtype
+the backend has kernels for (see :func:`reduce_into`) and returns the caller's.
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ def reduce_into(out: torch.Tensor, average: bool, group: dist.ProcessGroup | Non
         out.copy_(wide if out.dtype != torch.bool else wide != 0)
 
 
+def _reject(op: str, error: Exception, group: dist.ProcessGroup | None) -> None:
+    """Queue this rank's part of a collective it rejected: its peers raise at once."""
+
+    def take_part(reason: str) -> None:
+        transport.check_same_call(op, None, group, rejection=reason)
+
+    transport.reject(op, error, group, take_part)
+
+
 def _buffer(tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
     """Where the collective writes: the tensor itself (in place, if contiguous) or a copy."""
     return tensor if inplace and tensor.is_contiguous() else tensor.contiguous().clone()
@@ -87,10 +97,14 @@ def _result(tensor: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Ten
 
 
 def _allreduce(tensor, average, group, async_op, inplace) -> torch.Tensor | Handle:
-    check_tensor(tensor, AVERAGING_DTYPES if average else _SUM_DTYPES, "allreduce")
-    if not isinstance(average, bool):
-        raise TypeError(f"allreduce: average must be a bool; got {average!r}")
-    group_rank(group)
+    try:
+        if not isinstance(average, bool):
+            raise TypeError(f"allreduce: average must be a bool; got {average!r}")
+        check_tensor(tensor, AVERAGING_DTYPES if average else _SUM_DTYPES, "allreduce")
+        group_rank(group)
+    except (TypeError, ValueError) as err:
+        _reject("allreduce", err, group)
+        raise
 
     def body() -> torch.Tensor:
         transport.check_same_call("allreduce", tensor, group, aux=int(average))
@@ -125,6 +139,7 @@ def allreduce(
 
     Raises:
         TypeError: not a tensor, or an unsupported dtype.
+        PeerArgumentError: on the other ranks, when a rank rejected its arguments.
         PeerError: on every rank, when ranks passed different dtypes or shapes.
 
     Example:
@@ -146,8 +161,12 @@ def allreduce_(
 
 
 def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
-    check_tensor(tensor, _ANY_DTYPE, "broadcast")
-    check_rank(root, "root", group_size(group))
+    try:
+        check_tensor(tensor, _ANY_DTYPE, "broadcast")
+        check_rank(root, "root", group_size(group))
+    except (TypeError, ValueError) as err:
+        _reject("broadcast", err, group)
+        raise
 
     def body() -> torch.Tensor:
         transport.check_same_call("broadcast", tensor, group, aux=root)
@@ -177,7 +196,8 @@ def broadcast(
         async_op (bool): return a :class:`Handle` instead of waiting.
 
     Raises:
-        ValueError: ``root`` out of range. PeerError: ranks disagree on root, dtype or shape.
+        ValueError: ``root`` out of range. PeerError: ranks disagree on root, dtype or shape
+            (PeerArgumentError: another rank rejected its arguments).
     """
     return _broadcast(tensor, root, group, async_op, inplace=False)
 
@@ -202,15 +222,20 @@ def allgather(
     """Concatenate every rank's ``tensor`` along dimension 0, in rank order.
 
     The first dimension may differ between ranks; the other dimensions and the dtype may not.
+    A rank that rejects its arguments makes the others raise ``PeerArgumentError``.
 
     Example:
         >>> gossamer.allgather(torch.full((gossamer.rank() + 1,), gossamer.rank()))
         tensor([0, 1, 1])  # every rank, world of 2
     """
-    check_tensor(tensor, _ANY_DTYPE, "allgather")
-    if tensor.dim() == 0:
-        raise ValueError("allgather: tensor must have at least one dimension; got a scalar")
-    group_rank(group)
+    try:
+        check_tensor(tensor, _ANY_DTYPE, "allgather")
+        if tensor.dim() == 0:
+            raise ValueError("allgather: tensor must have at least one dimension; got a scalar")
+        group_rank(group)
+    except (TypeError, ValueError) as err:
+        _reject("allgather", err, group)
+        raise
 
     def body() -> torch.Tensor:
         shapes = transport.check_same_call("allgather", tensor, group, any_first_dim=True)

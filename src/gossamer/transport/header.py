@@ -62,6 +62,8 @@ OPS = (
     "window.grant",
     "window.unlock",
     "window.stop",
+    # A rank that rejected its arguments sends this instead of its call (transport.rejection).
+    "rejected",
 )
 
 

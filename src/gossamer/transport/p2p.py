@@ -23,8 +23,14 @@ from gossamer.profiling import timeline
 from gossamer.transport.failures import wait_works
 from gossamer.transport.header import HEADER_LEN, Header
 from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
+from gossamer.transport.rejection import (
+    REJECTED,
+    gather_reasons,
+    peer_argument_error,
+    rejected_header,
+)
 
-__all__ = ["check_same_call", "exchange"]
+__all__ = ["check_same_call", "exchange", "exchange_rejected"]
 
 _HEADER_TAG = 0x6F01
 _DATA_TAG = 0x6F02  # data chunks use 0x6F02 .. 0x6F02 + _MAX_CHUNKS - 1
@@ -110,6 +116,40 @@ def _p2p(
     wait_works(op, [(_global(group, p), w) for p, w in zip(peers, works, strict=True)])
 
 
+def _headers_then_data(
+    op: str,
+    mine: Header,
+    sends: Mapping[int, torch.Tensor],
+    sources: Sequence[int],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> tuple[dict[int, Header], dict[int, torch.Tensor]]:
+    """Send ``mine`` then ``sends[d]`` to every ``d``; receive both from every source.
+
+    Returns the sources' headers and their payloads (flat bytes, sized from the headers).
+    """
+    heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
+    buffers = context.runtime().component("transport.buffers", Buffers)
+    header_bytes = as_bytes(mine.encode())
+    with timeline.record(op, "communicating"):
+        _p2p(
+            op,
+            [(d, header_bytes) for d in sends],
+            [(s, as_bytes(h)) for s, h in heads.items()],
+            group,
+            _HEADER_TAG,
+        )
+        theirs = {s: Header.decode(h) for s, h in heads.items()}
+        raw = {s: buffers.get(h, device, s) for s, h in theirs.items()}
+        payloads = [(d, as_bytes(t)) for d, t in sends.items()]
+        _p2p(op, payloads, list(raw.items()), group, _DATA_TAG)
+    return theirs, raw
+
+
+def _text(data: torch.Tensor) -> str:
+    return bytes(data.cpu().tolist()).decode(errors="replace")
+
+
 def exchange(
     op: str,
     tensor: torch.Tensor,
@@ -127,26 +167,16 @@ def exchange(
     The returned tensors are reused by the next exchange: consume them before returning.
 
     Raises:
+        PeerArgumentError: a source rejected its arguments (see
+            :mod:`~gossamer.transport.rejection`); raised after every transfer completed.
         PeerError: a source called another operation, dtype or shape. The data is still
             received (and dropped) first, so the sender does not hang.
     """
     mine = Header.of(op, tensor)
-    encoded = mine.encode()
-    heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
-    buffers = context.runtime().component("transport.buffers", Buffers)
-    header_bytes = as_bytes(encoded)
-    with timeline.record(op, "communicating"):
-        _p2p(
-            op,
-            [(d, header_bytes) for d in sends],
-            [(s, as_bytes(h)) for s, h in heads.items()],
-            group,
-            _HEADER_TAG,
-        )
-        theirs = {s: Header.decode(h) for s, h in heads.items()}
-        raw = {s: buffers.get(h, tensor.device, s) for s, h in theirs.items()}
-        payloads = [(d, as_bytes(t)) for d, t in sends.items()]
-        _p2p(op, payloads, list(raw.items()), group, _DATA_TAG)
+    theirs, raw = _headers_then_data(op, mine, sends, sources, group, tensor.device)
+    refused = {_global(group, s): _text(raw[s]) for s, h in theirs.items() if h.op == REJECTED}
+    if refused:
+        raise peer_argument_error(op, refused)
     wrong = [s for s, h in theirs.items() if not mine.matches(h, any_first_dim)]
     if wrong:
         text = "; ".join(f"rank {_global(group, s)} called {theirs[s].describe()}" for s in wrong)
@@ -156,25 +186,60 @@ def exchange(
     return {s: from_bytes(raw[s], h.dtype, h.shape) for s, h in theirs.items()}
 
 
+def exchange_rejected(
+    op: str,
+    reason: str,
+    dsts: Sequence[int],
+    sources: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """This rank's part of an :func:`exchange` whose arguments it rejected.
+
+    Sends a ``"rejected"`` header and ``reason`` to ``dsts`` (group ranks), and receives and
+    drops what ``sources`` send, so that no peer's message goes unmatched.
+    """
+    device = device if device is not None else context.device()
+    data = torch.frombuffer(bytearray(reason.encode()), dtype=torch.uint8).to(device)
+    _headers_then_data(
+        op, rejected_header(op, reason), dict.fromkeys(dsts, data), sources, group, device
+    )
+
+
 def check_same_call(
     op: str,
-    tensor: torch.Tensor,
+    tensor: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     aux: int = 0,
     *,
     any_first_dim: bool = False,
+    rejection: str | None = None,
 ) -> list[tuple[int, ...]]:
     """Check that every rank of ``group`` made the same call; return every rank's shape.
 
+    With ``rejection`` (a reason), this rank takes part in a call whose arguments it
+    rejected: ``tensor`` is ignored, every other rank raises, and this one returns ``[]``.
+
     Raises:
+        PeerArgumentError: on every other rank, when a rank rejected its arguments.
         PeerError: on every rank alike, naming the ranks whose call differs from rank 0's.
     """
-    mine = Header.of(op, tensor, aux=aux).encode()
+    if rejection is not None:
+        mine = rejected_header(op, rejection).encode()
+    else:
+        mine = Header.of(op, tensor, aux=aux).encode()
     size = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     with timeline.record(op, "communicating"):
         wait_works(op, [(-1, dist.all_gather(gathered, mine, group=group, async_op=True))])
     heads = [Header.decode(h) for h in gathered]
+    if any(h.op == REJECTED for h in heads):
+        lengths = [h.numel if h.op == REJECTED else 0 for h in heads]
+        texts = gather_reasons(op, lengths, rejection, group)
+        if rejection is not None:
+            return []
+        refused = {_global(group, r): texts[r] for r, h in enumerate(heads) if h.op == REJECTED}
+        raise peer_argument_error(op, refused)
     first = heads[0]
     wrong = [r for r, h in enumerate(heads) if not first.matches(h, any_first_dim)]
     if wrong:
