@@ -148,7 +148,7 @@ def hierarchical_neighbor_allreduce(
                 else:
                     out = weighted_sum(machine_sum, sw, by_machine, weights)
                     out.div_(layout.local_size)
-        work = dist.broadcast(out, leader, group=local_group(), async_op=True)
+        work = dist.broadcast(transport.as_bytes(out), leader, group=local_group(), async_op=True)
         transport.wait_works(op, [(leader, work)])
         return out
 
