@@ -24,6 +24,7 @@ from gossamer.errors import (
     NotInitializedError,
     PeerArgumentError,
     PeerError,
+    RankLostError,
     TopologyError,
     WindowError,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "NotInitializedError",
     "PeerArgumentError",
     "PeerError",
+    "RankLostError",
     "TopologyError",
     "Window",
     "WindowError",
