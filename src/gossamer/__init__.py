@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ pr
         NotInitializedError,
         PeerArgumentError,
         PeerError,
+        RankLostError,
         TopologyError,
         WindowError,
     )
@@ -84,6 +85,7 @@ _SOURCES: dict[str, str] = {
             "NotInitializedError",
             "PeerArgumentError",
             "PeerError",
+            "RankLostError",
             "TopologyError",
             "WindowError",
         ],
@@ -121,6 +123,7 @@ __all__ = [
     "NotInitializedError",
     "PeerArgumentError",
     "PeerError",
+    "RankLostError",
     "TopologyError",
     "Window",
     "WindowError",

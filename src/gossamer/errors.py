@@ -10,6 +10,7 @@ __all__ = [
     "NotInitializedError",
     "PeerArgumentError",
     "PeerError",
+    "RankLostError",
     "TopologyError",
     "WindowError",
 ]
@@ -44,6 +45,22 @@ class PeerArgumentError(PeerError):
     Attributes:
         rank: the (lowest) global rank that rejected its arguments.
         ranks: every rank that did, ascending.
+    """
+
+    def __init__(self, message: str, ranks: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks: list[int] = sorted(ranks)
+        self.rank: int | None = self.ranks[0] if self.ranks else None
+
+
+class RankLostError(PeerError):
+    """A rank died or left the job; the process group cannot be used any more.
+
+    Every operation after the loss raises it at once. The message names the lost ranks.
+
+    Attributes:
+        rank: the (lowest) lost global rank.
+        ranks: every lost rank known, ascending.
     """
 
     def __init__(self, message: str, ranks: Iterable[int] = ()) -> None:
