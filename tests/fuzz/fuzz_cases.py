@@ -79,10 +79,16 @@ def mostly(
 _WRONG_TYPE = st.sampled_from([None, "1", b"1", [1], (1,), {1: 1}, object(), 1j])
 
 
-def bad_int(minimum: int | None = None, maximum: int | None = None) -> st.SearchStrategy[Arg]:
-    """Not an int (bools and floats included), or an int outside ``[minimum, maximum]``."""
+def bad_int(
+    minimum: int | None = None, maximum: int | None = None, *, none_ok: bool = False
+) -> st.SearchStrategy[Arg]:
+    """Not an int (bools and floats included), or an int outside ``[minimum, maximum]``.
+
+    ``none_ok``: None is a valid value of the argument, so it is not drawn here.
+    """
+    wrong = _WRONG_TYPE.filter(lambda v: v is not None) if none_ok else _WRONG_TYPE
     options = [
-        bad(_WRONG_TYPE | st.booleans(), "not an int"),
+        bad(wrong | st.booleans(), "not an int"),
         bad(st.floats(allow_nan=True) | st.just(2.0), "not an int"),
     ]
     if minimum is not None:
