@@ -19,6 +19,18 @@ variable                       default    meaning
                                           a ``{rank}`` in it is replaced instead
 =============================  =========  ===================================================
 
+BlueFog's variables, for programs run through the BlueFog facade (:mod:`gossamer.bluefog`):
+
+=============================  =========  ===================================================
+variable                       default    meaning
+=============================  =========  ===================================================
+``BLUEFOG_TIMELINE``           unset      file prefix: ``bf.init()`` starts the timeline,
+                                          and rank ``k`` writes ``<prefix><k>.json`` (as
+                                          BlueFog names it) at ``bf.shutdown()`` or exit;
+                                          ``GOSSAMER_TIMELINE`` wins when both are set
+``BLUEFOG_NODES_PER_MACHINE``  unset      fallback of ``GOSSAMER_NODES_PER_MACHINE``
+=============================  =========  ===================================================
+
 Set by the launcher (``torchrun``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node's index), ``MASTER_ADDR``, ``MASTER_PORT``, and
 ``TORCHELASTIC_USE_AGENT_STORE`` (the launcher's agent hosts the rendezvous store). Without
@@ -46,6 +58,8 @@ class Settings:
     nodes_per_machine: int | None = None
     log_level: str = "WARNING"
     timeline: str | None = None  # path prefix of the Chrome-trace timeline; None is off
+    # BlueFog's file prefix (BLUEFOG_TIMELINE), honoured by the facade's init; None is off
+    bluefog_timeline: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +95,7 @@ def _int(env: Mapping[str, str], name: str, *, minimum: int) -> int | None:
 
 
 def settings(env: Mapping[str, str] | None = None) -> Settings:
-    """Read and validate the ``GOSSAMER_*`` variables (from ``os.environ`` by default)."""
+    """Read and validate gossamer's variables (from ``os.environ`` by default)."""
     env = os.environ if env is None else env
     backend = env.get("GOSSAMER_BACKEND", "gloo").lower()
     if backend not in BACKENDS:
@@ -110,6 +124,7 @@ def settings(env: Mapping[str, str] | None = None) -> Settings:
         or _int(env, "BLUEFOG_NODES_PER_MACHINE", minimum=1),
         log_level=level,
         timeline=env.get("GOSSAMER_TIMELINE") or None,
+        bluefog_timeline=env.get("BLUEFOG_TIMELINE") or None,
     )
 
 

@@ -28,6 +28,9 @@ class FacadeState:
     window_handles: dict[int, Any] = field(default_factory=dict)
     window_ids: itertools.count = field(default_factory=itertools.count)
     push_sum: bool = False
+    # Whether bf.init has honoured BLUEFOG_TIMELINE in this runtime: BlueFog opens its
+    # timeline once, at the first init, though programs call bf.init() many times.
+    timeline_checked: bool = False
 
 
 def state() -> FacadeState:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import gossamer
+from gossamer.bluefog import timeline as bf_timeline
 from gossamer.bluefog._state import state
 from gossamer.bluefog.topology_util import ExponentialGraph, IsTopologyEquivalent
 from gossamer.errors import NotInitializedError
@@ -111,19 +112,30 @@ def init(
 
     The topology is ``topology_fn(size())`` or, when that is None or no function is given,
     ``ExponentialGraph(size())``. Calling ``init`` again is cheap and re-applies it, as in
-    BlueFog; gossamer's own shutdown is already registered with ``atexit``.
+    BlueFog; gossamer's own shutdown is already registered with ``atexit``. The first call
+    starts the timeline if ``BLUEFOG_TIMELINE`` names a file prefix (rank ``k`` writes
+    ``<prefix><k>.json``; see :mod:`gossamer.bluefog.timeline`).
 
     Args:
         topology_fn (Callable[[int], nx.DiGraph], optional): builds the graph from the size.
         is_weighted (bool): use the graph's edge weights for default averaging.
     """
     gossamer.init()
+    facade = state()
+    if not facade.timeline_checked:
+        facade.timeline_checked = True
+        bf_timeline.start_from_env()
     graph = topology_fn(size()) if topology_fn is not None else None
     set_topology(graph, is_weighted)
 
 
 def shutdown() -> None:
-    """Stop gossamer: frees the windows, forgets the topologies (see :func:`gossamer.shutdown`)."""
+    """Stop gossamer: frees the windows, forgets the topologies (see :func:`gossamer.shutdown`).
+
+    A timeline started from ``BLUEFOG_TIMELINE`` is written now, as BlueFog's is complete
+    once it shuts down.
+    """
+    bf_timeline.stop_started_from_env()
     gossamer.shutdown()
 
 

@@ -21,7 +21,8 @@ from gossamer.bluefog._compat import (
     plain_weights,
     removed_kwargs,
 )
-from gossamer.bluefog._handles import register
+from gossamer.bluefog._handles import lookup, register
+from gossamer.bluefog.timeline import recorded
 
 __all__ = [
     "hierarchical_neighbor_allreduce",
@@ -54,6 +55,7 @@ def _neighbor_allgather(
     )
 
 
+@recorded("neighbor.allgather", "ENQUEUE_NEIGHBOR_ALLGATHER")
 def neighbor_allgather(
     tensor: torch.Tensor,
     *,
@@ -70,6 +72,7 @@ def neighbor_allgather(
     return _neighbor_allgather(tensor, src_ranks, dst_ranks, enable_topo_check, False)
 
 
+@recorded("neighbor.allgather", "ENQUEUE_NEIGHBOR_ALLGATHER", lookup)
 def neighbor_allgather_nonblocking(
     tensor: torch.Tensor,
     *,
@@ -110,6 +113,7 @@ _NEIGHBOR_FIXES = {
 
 
 @removed_kwargs(**_NEIGHBOR_FIXES)
+@recorded("neighbor.allreduce", "ENQUEUE_NEIGHBOR_ALLREDUCE")
 def neighbor_allreduce(
     tensor: torch.Tensor,
     *,
@@ -138,6 +142,7 @@ def neighbor_allreduce(
 
 
 @removed_kwargs(**_NEIGHBOR_FIXES)
+@recorded("neighbor.allreduce", "ENQUEUE_NEIGHBOR_ALLREDUCE", lookup)
 def neighbor_allreduce_nonblocking(
     tensor: torch.Tensor,
     *,
@@ -190,6 +195,7 @@ _MACHINE_FIXES = {
 
 
 @removed_kwargs(**_MACHINE_FIXES)
+@recorded("neighbor.allreduce", "ENQUEUE_NEIGHBOR_ALLREDUCE")
 def hierarchical_neighbor_allreduce(
     tensor: torch.Tensor,
     *,
@@ -210,6 +216,7 @@ def hierarchical_neighbor_allreduce(
 
 
 @removed_kwargs(**_MACHINE_FIXES)
+@recorded("neighbor.allreduce", "ENQUEUE_NEIGHBOR_ALLREDUCE", lookup)
 def hierarchical_neighbor_allreduce_nonblocking(
     tensor: torch.Tensor,
     *,
@@ -227,6 +234,7 @@ def hierarchical_neighbor_allreduce_nonblocking(
     )
 
 
+@recorded("pair.gossip", "ENQUEUE_PAIR_GOSSIP")
 def pair_gossip(
     tensor: torch.Tensor,
     target_rank: int,
@@ -241,6 +249,7 @@ def pair_gossip(
     )
 
 
+@recorded("pair.gossip", "ENQUEUE_PAIR_GOSSIP", lookup)
 def pair_gossip_nonblocking(
     tensor: torch.Tensor,
     target_rank: int,

@@ -1,7 +1,8 @@
 """BlueFog's collectives in every spelling: blocking, ``_nonblocking`` (int handles), in place.
 
 Each name maps onto one gossamer operation (``async_op=True`` for the nonblocking ones).
-``name`` is accepted and ignored: gossamer matches operations across ranks by call order.
+gossamer matches operations across ranks by call order; ``name`` only names the operation's
+row on the timeline, as BlueFog's tensor name (:func:`gossamer.bluefog.timeline.recorded`).
 A nonblocking call (here or in :mod:`gossamer.bluefog.neighbor`) returns an ``int``;
 :func:`poll`, :func:`synchronize` and :func:`wait` take it.
 """
@@ -15,6 +16,7 @@ import torch
 import gossamer
 from gossamer.bluefog._compat import need_float
 from gossamer.bluefog._handles import lookup, register, take
+from gossamer.bluefog.timeline import recorded
 
 __all__ = [
     "allgather",
@@ -90,6 +92,7 @@ def _allreduce(
     return (result, finish) if async_op else finish(result)
 
 
+@recorded("allreduce", "ENQUEUE_ALLREDUCE")
 def allreduce(
     tensor: torch.Tensor,
     average: bool = True,
@@ -104,6 +107,7 @@ def allreduce(
     return _allreduce(tensor, average, is_hierarchical_local, False, False)
 
 
+@recorded("allreduce", "ENQUEUE_ALLREDUCE", lookup)
 def allreduce_nonblocking(
     tensor: torch.Tensor,
     average: bool = True,
@@ -114,6 +118,7 @@ def allreduce_nonblocking(
     return register(_allreduce(tensor, average, is_hierarchical_local, False, True))
 
 
+@recorded("allreduce", "ENQUEUE_ALLREDUCE")
 def allreduce_(
     tensor: torch.Tensor,
     average: bool = True,
@@ -124,6 +129,7 @@ def allreduce_(
     return _allreduce(tensor, average, is_hierarchical_local, True, False)
 
 
+@recorded("allreduce", "ENQUEUE_ALLREDUCE", lookup)
 def allreduce_nonblocking_(
     tensor: torch.Tensor,
     average: bool = True,
@@ -135,31 +141,37 @@ def allreduce_nonblocking_(
 
 
 # ---------------------------------------------------------------------- broadcast, allgather
+@recorded("broadcast", "ENQUEUE_BROADCAST")
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Rank ``root_rank``'s tensor on every rank, out of place (:func:`gossamer.broadcast`)."""
     return gossamer.broadcast(tensor, root=root_rank)
 
 
+@recorded("broadcast", "ENQUEUE_BROADCAST", lookup)
 def broadcast_nonblocking(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
     """Nonblocking :func:`broadcast`."""
     return register(gossamer.broadcast(tensor, root=root_rank, async_op=True))
 
 
+@recorded("broadcast", "ENQUEUE_BROADCAST")
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """In-place :func:`broadcast`: overwrites ``tensor`` and returns it."""
     return gossamer.broadcast_(tensor, root=root_rank)
 
 
+@recorded("broadcast", "ENQUEUE_BROADCAST", lookup)
 def broadcast_nonblocking_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
     """Nonblocking :func:`broadcast_`."""
     return register(gossamer.broadcast_(tensor, root=root_rank, async_op=True))
 
 
+@recorded("allgather", "ENQUEUE_ALLGATHER")
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0 in rank order (:func:`gossamer.allgather`)."""
     return gossamer.allgather(tensor)
 
 
+@recorded("allgather", "ENQUEUE_ALLGATHER", lookup)
 def allgather_nonblocking(tensor: torch.Tensor, name: str | None = None) -> int:
     """Nonblocking :func:`allgather`."""
     return register(gossamer.allgather(tensor, async_op=True))

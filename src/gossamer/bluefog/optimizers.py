@@ -105,7 +105,7 @@ class _BlueFogOptimizer(DecentralizedOptimizer):
         super().__init__(*args, **kwargs)
         self._should_synchronize = True
         self._timeline_handles: list[Any] = []
-        # BlueFog turns its timeline hooks on when BLUEFOG_TIMELINE is set.
+        # BlueFog turns its timeline hooks on when BLUEFOG_TIMELINE is set (bf.init starts it).
         if timeline.timeline_enabled():
             self.turn_on_timeline()
 
@@ -165,7 +165,7 @@ class _BlueFogOptimizer(DecentralizedOptimizer):
         """Record ``FORWARD`` and ``GRADIENT COMPT.`` activities per parameter.
 
         Rows are named by the parameters' names. The spans are written only while gossamer's
-        timeline is on (``GOSSAMER_TIMELINE`` or :func:`gossamer.profiling.start_timeline`);
+        timeline is on (``BLUEFOG_TIMELINE``, ``GOSSAMER_TIMELINE`` or ``start_timeline``);
         the optimizer turns this on by itself when the timeline is on at its creation.
         """
         if not self._timeline_handles:

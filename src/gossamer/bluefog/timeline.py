@@ -1,25 +1,46 @@
-"""BlueFog's user timeline activities, on :mod:`gossamer.profiling.timeline`.
+"""BlueFog's timeline on :mod:`gossamer.profiling.timeline`: its files, activities and names.
 
 BlueFog writes the timeline when ``BLUEFOG_TIMELINE`` (``bfrun --timeline-filename``) names a
-file prefix. gossamer's timeline is started by ``GOSSAMER_TIMELINE=<prefix>`` (read by
-``gossamer.init``, hence by ``bf.init``) or by :func:`gossamer.profiling.start_timeline`.
-An activity is a span on the row named ``tensor_name`` of this rank's trace.
+file prefix: rank ``k`` writes ``<prefix><k>.json``. :func:`start_from_env` (called by
+``bf.init``) does the same on gossamer's timeline; ``GOSSAMER_TIMELINE=<prefix>`` (read by
+``gossamer.init``) and :func:`gossamer.profiling.start_timeline` keep working, with
+gossamer's file names. An activity is a span on the row named ``tensor_name`` of this rank's
+trace.
+
+While the timeline is on, the facade's operations record BlueFog's activity names on
+BlueFog's rows (:func:`recorded`): ``ENQUEUE_NEIGHBOR_ALLREDUCE`` on the row
+``neighbor.allreduce.<name>`` (``neighbor.allreduce.noname.<n>`` without a ``name``) from the
+call until the operation completes, ``ENQUEUE_WIN_PUT`` on the window's name, and so on; the
+optimizers record ``FORWARD`` and ``GRADIENT COMPT.`` per parameter
+(:func:`parameter_activities`). gossamer's own spans of each operation (``queued``,
+``running``, ``communicating``, ``combining``) are recorded beside them, on rows named by the
+operation; BlueFog's core activities (``PROC_*``, ``COMMUNICATE``, ``NEGOTIATION``, ...) are
+not produced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import itertools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from gossamer import env
 from gossamer.profiling import timeline
+from gossamer.transport import Handle
 
 __all__ = [
     "parameter_activities",
+    "recorded",
+    "start_from_env",
+    "stop_started_from_env",
     "timeline_context",
     "timeline_end_activity",
     "timeline_start_activity",
@@ -27,7 +48,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 _complained = [False]
+# The path given to start_timeline by start_from_env while that run is on, else None.
+_started: list[str | None] = [None]
+# Numbers the rows of operations called without a name (BlueFog numbers them by handle).
+_noname = itertools.count()
 
 
 def _on() -> bool:
@@ -38,10 +65,112 @@ def _on() -> bool:
         _complained[0] = True
         logger.error(
             "The timeline is not on, so timeline activities are not recorded. Set "
-            "GOSSAMER_TIMELINE=<file prefix> before bf.init() (BlueFog's BLUEFOG_TIMELINE) "
+            "BLUEFOG_TIMELINE=<file prefix> (or GOSSAMER_TIMELINE) before bf.init() "
             "or call gossamer.profiling.start_timeline()."
         )
     return False
+
+
+def start_from_env() -> bool:
+    """Start the timeline as BlueFog does when ``BLUEFOG_TIMELINE`` names a file prefix.
+
+    Rank ``rank`` will write ``<prefix><rank>.json``, exactly BlueFog's name (a ``{rank}``
+    in the prefix is the one exception: it is replaced by the rank). A relative prefix is
+    taken from the working directory of this call, where BlueFog opened its file. The file
+    is written by :func:`stop_started_from_env` (``bf.shutdown``), by
+    :func:`gossamer.profiling.stop_timeline`, or at exit.
+
+    Returns:
+        bool: True if this call started the timeline; False when ``BLUEFOG_TIMELINE`` is
+        unset or the timeline was already on (``GOSSAMER_TIMELINE`` wins).
+
+    Example:
+        >>> start_from_env()  # BLUEFOG_TIMELINE unset
+        False
+    """
+    prefix = env.settings().bluefog_timeline
+    if prefix is None:
+        return False
+    if timeline.timeline_enabled():
+        logger.warning(
+            "BLUEFOG_TIMELINE=%s is ignored: the timeline is already on (GOSSAMER_TIMELINE or "
+            "gossamer.profiling.start_timeline)",
+            prefix,
+        )
+        return False
+    # os.path.join, not abspath: a prefix "out/" must keep its slash ("out/0.json").
+    path = os.path.join(os.getcwd(), prefix) + "{rank}.json"
+    timeline.start_timeline(path)
+    _started[0] = path
+    logger.debug("timeline started from BLUEFOG_TIMELINE: %s", path)
+    return True
+
+
+def stop_started_from_env() -> None:
+    """Write and stop the timeline if :func:`start_from_env` started it (for ``bf.shutdown``).
+
+    BlueFog's file is complete once BlueFog shuts down; so is this one. A timeline started
+    otherwise is left alone.
+
+    Example:
+        >>> stop_started_from_env()  # not started from BLUEFOG_TIMELINE: nothing happens
+    """
+    path, _started[0] = _started[0], None
+    if path is not None and timeline.timeline_enabled():
+        timeline.stop_timeline()
+
+
+def recorded(
+    prefix: str | None, activity: str, handle_of: Callable[[Any], Handle | None] | None = None
+) -> Callable[[F], F]:
+    """Record BlueFog's ``activity`` (``"ENQUEUE_ALLREDUCE"``...) for each call of a facade op.
+
+    The row is BlueFog's tensor name: ``<prefix>.<name>``, or ``<prefix>.noname.<n>`` when
+    the call has no ``name``; with ``prefix=None`` it is ``name`` itself (window operations).
+    The span lasts from the call until the operation completes: the return of a blocking
+    call, or the completion of the handle ``handle_of(result)`` of a nonblocking one. While
+    the timeline is off the call costs one test of a flag.
+
+    Args:
+        prefix (str | None): BlueFog's operation prefix (``"neighbor.allreduce"``).
+        activity (str): the span's label.
+        handle_of (Callable, optional): maps a nonblocking call's integer handle to the
+            gossamer :class:`~gossamer.transport.Handle` it stands for.
+    """
+
+    def wrap(fn: F) -> F:
+        position = list(inspect.signature(fn).parameters).index("name")
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not timeline.timeline_enabled():
+                return fn(*args, **kwargs)
+            name = kwargs.get("name", args[position] if len(args) > position else None)
+            row = _row(prefix, name)
+            timeline.start_activity(row, activity)
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException:
+                timeline.end_activity(row)
+                raise
+            handle = None if handle_of is None else handle_of(result)
+            if handle is None:
+                timeline.end_activity(row)
+            else:
+                handle.get_future().add_done_callback(lambda _: timeline.end_activity(row))
+            return result
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
+def _row(prefix: str | None, name: object) -> str:
+    if prefix is None:
+        return str(name)
+    if name:
+        return f"{prefix}.{name}"
+    return f"{prefix}.noname.{next(_noname)}"
 
 
 def timeline_start_activity(tensor_name: str, activity_name: str) -> bool:

@@ -18,6 +18,7 @@ import torch
 import gossamer
 from gossamer.bluefog._compat import check_weight_types, plain_ranks, plain_weights
 from gossamer.bluefog._state import state
+from gossamer.bluefog.timeline import recorded
 from gossamer.transport import Handle
 
 __all__ = [
@@ -60,6 +61,7 @@ def _window(name: str) -> gossamer.Window:
 
 
 # ---------------------------------------------------------------------- lifecycle
+@recorded(None, "WIN_CREATE")
 def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool:
     """Register ``tensor`` (the object itself) as this rank's window ``name``. Collective.
 
@@ -142,6 +144,10 @@ def win_update_then_collect(name: str, require_mutex: bool = True) -> torch.Tens
 
 
 # ---------------------------------------------------------------------- put, get, accumulate
+def _window_handle(hid: int) -> Handle | None:
+    return state().window_handles.get(hid)
+
+
 def _start(handle: Handle) -> int:
     table = state()
     hid = next(table.window_ids)
@@ -169,6 +175,7 @@ def _write(
     )
 
 
+@recorded(None, "ENQUEUE_WIN_PUT", _window_handle)
 def win_put_nonblocking(
     tensor: torch.Tensor,
     name: str,
@@ -196,6 +203,7 @@ def win_put(
     return win_wait(win_put_nonblocking(tensor, name, self_weight, dst_weights, require_mutex))
 
 
+@recorded(None, "ENQUEUE_WIN_ACCUMULATE", _window_handle)
 def win_accumulate_nonblocking(
     tensor: torch.Tensor,
     name: str,
@@ -220,6 +228,7 @@ def win_accumulate(
     )
 
 
+@recorded(None, "ENQUEUE_WIN_GET", _window_handle)
 def win_get_nonblocking(
     name: str, src_weights: Mapping[int, float] | None = None, require_mutex: bool = False
 ) -> int:

@@ -19,7 +19,10 @@ def _as_indices(part: Any, name: str, *, sort: bool) -> np.ndarray:
     """Return ``part`` as a read-only int64 copy (sorted if asked), or raise naming ``name``."""
     if isinstance(part, torch.Tensor):
         part = part.detach().cpu().numpy()
-    arr = np.asarray(part)
+    try:
+        arr = np.asarray(part)
+    except (TypeError, ValueError) as exc:  # ragged nesting: numpy's message names nothing
+        raise TypeError(f"{name} must be a 1-D sequence of indices; got {exc}") from exc
     if arr.ndim != 1:
         raise ValueError(f"{name} must be a 1-D sequence of indices; got shape {arr.shape}")
     if arr.size == 0:

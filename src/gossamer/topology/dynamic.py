@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -20,10 +21,21 @@ __all__ = [
 
 
 def _rank_tuple(ranks: Iterable[int], name: str) -> tuple[int, ...]:
+    if not isinstance(ranks, Iterable):
+        raise TypeError(f"{name} must be an iterable of ranks; got {ranks!r}")
     result = tuple(check_int(r, f"{name} entries", minimum=0) for r in ranks)
     if len(set(result)) != len(result):
         raise ValueError(f"{name} must not repeat a rank; got {result}")
     return result
+
+
+def _real(value: object, name: str) -> float:
+    """``value`` as a finite float, or raise naming ``name`` (bools are not weights)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number; got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}")
+    return float(value)
 
 
 def _weight_map(
@@ -32,11 +44,9 @@ def _weight_map(
     if not isinstance(weights, Mapping):
         raise TypeError(f"{name} must be a Mapping[int, float]; got {type(weights).__name__}")
     if set(weights) != set(ranks):
-        raise ValueError(f"{name} keys must be exactly {sorted(ranks)}; got {sorted(weights)}")
-    frozen = {int(r): float(w) for r, w in weights.items()}
-    if not all(math.isfinite(w) for w in frozen.values()):
-        raise ValueError(f"{name} values must be finite; got {frozen}")
-    return MappingProxyType(frozen)
+        # Keys may be of any type here, so they are listed, not sorted.
+        raise ValueError(f"{name} keys must be exactly {sorted(ranks)}; got {list(weights)}")
+    return MappingProxyType({int(r): _real(w, f"{name}[{r}]") for r, w in weights.items()})
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,8 @@ class Step:
         dst_weights: Send-side scale per rank in ``send_ranks``.
 
     Raises:
-        TypeError: A rank is not an int or a weight map is not a ``Mapping``.
+        TypeError: A rank is not an int, a rank list is not iterable, a weight is not a real
+            number (bools are not), or a weight map is not a ``Mapping``.
         ValueError: A rank is negative or repeated, a map's keys differ from its rank list,
             or a weight is not finite.
     """
@@ -69,11 +80,9 @@ class Step:
         # The dataclass is frozen, so normalised fields have to bypass __setattr__.
         send = _rank_tuple(self.send_ranks, "send_ranks")
         recv = _rank_tuple(self.recv_ranks, "recv_ranks")
-        if not math.isfinite(self.self_weight):
-            raise ValueError(f"self_weight must be finite; got {self.self_weight}")
         object.__setattr__(self, "send_ranks", send)
         object.__setattr__(self, "recv_ranks", recv)
-        object.__setattr__(self, "self_weight", float(self.self_weight))
+        object.__setattr__(self, "self_weight", _real(self.self_weight, "self_weight"))
         object.__setattr__(self, "src_weights", _weight_map(self.src_weights, recv, "src_weights"))
         object.__setattr__(self, "dst_weights", _weight_map(self.dst_weights, send, "dst_weights"))
 
