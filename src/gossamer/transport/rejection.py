@@ -61,9 +61,14 @@ def reason(error: BaseException) -> str:
     return data.decode(errors="ignore")
 
 
-def rejected_header(op: str, text: str) -> Header:
-    """The header a rank sends instead of its call of ``op``; its payload is ``text``."""
-    return Header(REJECTED, torch.uint8, (len(text.encode()),), aux=OPS.index(op))
+def rejected_header(op: str, text: str, origin: int | None = None) -> Header:
+    """The header a rank sends instead of its call of ``op``; its payload is ``text``.
+
+    ``origin`` is the global rank that rejected its arguments (this one by default; a
+    machine's leader passes on another's).
+    """
+    origin = context.rank() if origin is None else origin
+    return Header(REJECTED, torch.uint8, (len(text.encode()),), aux=OPS.index(op), slot=origin)
 
 
 def peer_argument_error(op: str, texts: Mapping[int, str]) -> PeerArgumentError:
