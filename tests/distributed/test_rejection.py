@@ -173,3 +173,5 @@ def test_hierarchical_every_rank_of_every_machine_learns(bad, what):
             )
             assert outcome[2] == bad
             assert elapsed < HANG_GUARD_S, (r, elapsed)
+    slowest = max(e for r, (_, e, _) in enumerate(got) if r != bad)
+    print(f"hierarchical, rank {bad} rejects: slowest peer learned in {slowest * 1e3:.0f} ms")

@@ -26,6 +26,7 @@ only send to it complete normally (their result does not depend on it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from gossamer import context
-from gossamer.errors import PeerArgumentError
+from gossamer.errors import GossamerError, PeerArgumentError
 from gossamer.transport import engine
 from gossamer.transport.checks import group_rank
 from gossamer.transport.failures import wait_works
@@ -122,4 +123,5 @@ def reject(
         except Exception:  # the caller already has its error; this one is only logged
             logger.warning("%s: telling the peers of a rejected call failed", op, exc_info=True)
 
-    engine.submit(op, part)
+    with contextlib.suppress(GossamerError):  # a rank was lost: no call left to take part in
+        engine.submit(op, part)
