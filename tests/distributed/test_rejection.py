@@ -132,3 +132,46 @@ def test_peers_of_a_rank_that_rejects_its_arguments_raise_at_once(world_size, ba
             "neighbor_allreduce: rank 0 rejected its arguments: "
             "ValueError: src_weights key must be a rank in [0, 3); got 6"
         )
+
+
+def _hierarchical(bad, what):
+    r = gossamer.rank()
+    gossamer.set_machine_topology(topo.fully_connected(gossamer.machine_size()))
+    x = torch.full((3,), float(r))
+    kwargs = {}
+    if r == bad and what == "weights":
+        kwargs = dict(self_weight=0.5, src_machine_weights={1 - gossamer.machine_rank(): 0.5})
+    if r == bad and what == "dtype":
+        x = x.long()
+    gossamer.barrier()
+    start = time.monotonic()
+    try:
+        gossamer.hierarchical_neighbor_allreduce(x, **kwargs)
+        outcome = ("ok", "")
+    except PeerArgumentError as err:
+        outcome = ("peer", str(err), err.rank)
+    except (ValueError, TypeError) as err:
+        outcome = ("own", f"{type(err).__name__}: {err}")
+    elapsed = time.monotonic() - start
+    after = gossamer.hierarchical_neighbor_allreduce(torch.ones(2))
+    return outcome, elapsed, after.tolist()
+
+
+@pytest.mark.parametrize(("bad", "what"), [(3, "weights"), (2, "dtype"), (0, "weights")])
+def test_hierarchical_every_rank_of_every_machine_learns(bad, what):
+    # 2 machines of 2 ranks: 3 is not a leader, 2 and 0 are
+    env = {"GOSSAMER_NODES_PER_MACHINE": "2"}
+    got = run_distributed(_hierarchical, 4, args=(bad, what), env=env)
+    own = got[bad][0]
+    assert own[0] == "own", own
+    for r, (outcome, elapsed, after) in enumerate(got):
+        assert after == [1.0, 1.0], r  # the next call works (mean of ones)
+        if r != bad:
+            assert outcome[0] == "peer", (r, outcome)
+            assert outcome[1] == (
+                f"hierarchical_neighbor_allreduce: rank {bad} rejected its arguments: {own[1]}"
+            )
+            assert outcome[2] == bad
+            assert elapsed < HANG_GUARD_S, (r, elapsed)
+    slowest = max(e for r, (_, e, _) in enumerate(got) if r != bad)
+    print(f"hierarchical, rank {bad} rejects: slowest peer learned in {slowest * 1e3:.0f} ms")

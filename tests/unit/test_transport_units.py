@@ -32,9 +32,9 @@ def test_header_round_trip_for_every_dtype(dtype):
     assert Header.decode(head.encode()) == head
 
 
-def test_rejected_header_carries_the_operation_and_the_reason_length():
-    head = Header.decode(rejected_header("allreduce", "rank 2 rejected: é").encode())
-    assert head.op == "rejected" and head.dtype == torch.uint8
+def test_rejected_header_carries_the_operation_the_rank_and_the_reason_length():
+    head = Header.decode(rejected_header("allreduce", "rank 2 rejected: é", origin=2).encode())
+    assert head.op == "rejected" and head.dtype == torch.uint8 and head.slot == 2
     assert head.numel == len("rank 2 rejected: é".encode())
 
 

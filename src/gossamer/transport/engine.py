@@ -64,9 +64,12 @@ class Engine:
                 return
             future, fn = job
             try:
-                if future.done() or not future.set_running_or_notify_cancel():
-                    continue  # cancelled, or failed by the watchdog while queued
+                skip = future.done() or not future.set_running_or_notify_cancel()
             except RuntimeError:
+                skip = True
+            if skip:  # cancelled, or failed by the watchdog while queued
+                with self._lock:
+                    self._pending.pop(future, None)
                 continue
             self._current = (future, time.monotonic())
             try:

@@ -176,7 +176,7 @@ def exchange(
     """
     mine = Header.of(op, tensor, codec=codec)
     theirs, raw = _headers_then_data(op, mine, sends, sources, group, tensor.device)
-    refused = {_global(group, s): _text(raw[s]) for s, h in theirs.items() if h.op == REJECTED}
+    refused = {h.slot: _text(raw[s]) for s, h in theirs.items() if h.op == REJECTED}
     if refused:
         raise peer_argument_error(op, refused)
     wrong = [s for s, h in theirs.items() if not mine.matches(h, any_first_dim)]
@@ -195,8 +195,9 @@ def exchange_rejected(
     sources: Sequence[int],
     group: dist.ProcessGroup | None = None,
     device: torch.device | None = None,
+    origin: int | None = None,
 ) -> None:
-    """This rank's part of an :func:`exchange` whose arguments it rejected.
+    """This rank's part of an :func:`exchange` whose arguments it (or ``origin``) rejected.
 
     Sends a ``"rejected"`` header and ``reason`` to ``dsts`` (group ranks), and receives and
     drops what ``sources`` send, so that no peer's message goes unmatched.
@@ -204,7 +205,7 @@ def exchange_rejected(
     device = device if device is not None else context.device()
     data = torch.frombuffer(bytearray(reason.encode()), dtype=torch.uint8).to(device)
     _headers_then_data(
-        op, rejected_header(op, reason), dict.fromkeys(dsts, data), sources, group, device
+        op, rejected_header(op, reason, origin), dict.fromkeys(dsts, data), sources, group, device
     )
 
 
@@ -240,7 +241,7 @@ def check_same_call(
         texts = gather_reasons(op, lengths, rejection, group)
         if rejection is not None:
             return []
-        refused = {_global(group, r): texts[r] for r, h in enumerate(heads) if h.op == REJECTED}
+        refused = {h.slot: texts[r] for r, h in enumerate(heads) if h.op == REJECTED}
         raise peer_argument_error(op, refused)
     first = heads[0]
     wrong = [r for r, h in enumerate(heads) if not first.matches(h, any_first_dim)]

@@ -26,6 +26,7 @@ only send to it complete normally (their result does not depend on it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from gossamer import context
-from gossamer.errors import PeerArgumentError
+from gossamer.errors import GossamerError, PeerArgumentError
 from gossamer.transport import engine
 from gossamer.transport.checks import group_rank
 from gossamer.transport.failures import wait_works
@@ -61,9 +62,14 @@ def reason(error: BaseException) -> str:
     return data.decode(errors="ignore")
 
 
-def rejected_header(op: str, text: str) -> Header:
-    """The header a rank sends instead of its call of ``op``; its payload is ``text``."""
-    return Header(REJECTED, torch.uint8, (len(text.encode()),), aux=OPS.index(op))
+def rejected_header(op: str, text: str, origin: int | None = None) -> Header:
+    """The header a rank sends instead of its call of ``op``; its payload is ``text``.
+
+    ``origin`` is the global rank that rejected its arguments (this one by default; a
+    machine's leader passes on another's).
+    """
+    origin = context.rank() if origin is None else origin
+    return Header(REJECTED, torch.uint8, (len(text.encode()),), aux=OPS.index(op), slot=origin)
 
 
 def peer_argument_error(op: str, texts: Mapping[int, str]) -> PeerArgumentError:
@@ -117,4 +123,5 @@ def reject(
         except Exception:  # the caller already has its error; this one is only logged
             logger.warning("%s: telling the peers of a rejected call failed", op, exc_info=True)
 
-    engine.submit(op, part)
+    with contextlib.suppress(GossamerError):  # a rank was lost: no call left to take part in
+        engine.submit(op, part)
