@@ -11,6 +11,7 @@ bucket (``flatten=True``), which gives the same values.
 
 from __future__ import annotations
 
+import abc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -50,13 +51,14 @@ def _writable(tensor: torch.Tensor) -> torch.Tensor:
     return effective
 
 
-class _Op:
+class _Op(abc.ABC):
     """One operation of a bucket: ``run(bucket)`` on gossamer's communication thread."""
 
     communicator: GroupCommunicator | None = None
 
+    @abc.abstractmethod
     def run(self, bucket: BaguaBucket) -> None:
-        raise NotImplementedError
+        """Run this operation on ``bucket``'s flat tensor."""
 
     def _round(self, flat: torch.Tensor) -> torch.Tensor:
         """One round of the communicator on ``flat``; ``flat`` itself if it did nothing."""

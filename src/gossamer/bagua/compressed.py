@@ -16,6 +16,7 @@ payloads travel as bytes through gossamer's collectives.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -76,8 +77,9 @@ class _Compressed(GroupCommunicator):
     def _machine_average(self) -> bool:
         return True
 
+    @abc.abstractmethod
     def _among(self, x: torch.Tensor, index: int, group: Any, me: int, n: int) -> torch.Tensor:
-        raise NotImplementedError
+        """The round among ``n`` ranks of ``group`` (this one is ``me``)."""
 
     def _decode(self, buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return self.compressor.decompress(Payload(buffer.contiguous(), like.shape, like.dtype))
