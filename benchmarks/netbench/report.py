@@ -37,7 +37,14 @@ __all__ = [
 
 RING = ("ddp", "gradient-allreduce")
 EXP2 = ("awc/exp2", "atc/exp2", "win-put")
-ONE_PEER = ("atc/one-peer", "awc/one-peer", "raw/one-peer")
+ONE_PEER = (
+    "atc/one-peer",
+    "awc/one-peer",
+    "raw/one-peer",
+    "raw-exchange/one-peer",
+    "raw-overlap/one-peer",
+    "gossamer-exchange/one-peer",
+)
 
 
 def _exp2_offsets(n: int) -> list[int]:

@@ -35,6 +35,9 @@ STRATEGIES = (
     "atc/one-peer",
     "awc/one-peer",
     "raw/one-peer",
+    "raw-exchange/one-peer",
+    "raw-overlap/one-peer",
+    "gossamer-exchange/one-peer",
     "choco-uint8/one-peer",
     "bytegrad",
     "topk-ef/allreduce",
@@ -95,15 +98,69 @@ class RawOnePeer:
     def step(self) -> None:
         """Local step, then the exchange and the average."""
         self.sgd.step()
+        for work in self._start():
+            work.wait()
+        self._average()
+
+    def _start(self) -> list:
         torch.cat([p.detach().flatten() for p in self.params], out=self.flat)
         step = next(self.schedule)
         (dst,), (src,) = step.send_ranks, step.recv_ranks
         sends, recvs = self.flat.tensor_split(32), self.recv.tensor_split(32)
         ops = [dist.P2POp(dist.isend, c, dst, tag=k) for k, c in enumerate(sends)]
         ops += [dist.P2POp(dist.irecv, c, src, tag=k) for k, c in enumerate(recvs)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        return dist.batch_isend_irecv(ops)
+
+    def _average(self) -> None:
         self.flat.add_(self.recv).div_(2)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+class RawOverlapOnePeer(RawOnePeer):
+    """The overlap probe: adapt-with-combine written by hand with ``torch.distributed``.
+
+    A forward pre-hook starts the exchange of x_t, forward and backward run while gloo's
+    threads move the bytes, and ``step`` waits, averages and applies the local step:
+    x_{t+1} = (x_t + x_peer) / 2 - lr * grad(x_t). Its step time is what overlap can reach
+    on this machine without gossamer.
+    """
+
+    def __init__(self, sgd: torch.optim.Optimizer, model: nn.Module) -> None:
+        super().__init__(sgd, model)
+        self.works: list = []
+        model.register_forward_pre_hook(lambda *_: self.works.extend(self._start()))
+
+    def step(self) -> None:
+        """Wait for the exchange started before forward, average, then the local step."""
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+        self._average()
+        self.sgd.step()
+
+
+class GossamerExchange(RawOnePeer):
+    """The exchange probe beside ``raw-exchange``: the same one-peer average.
+
+    It goes through ``gossamer.neighbor_allreduce`` (header, engine thread, combine)
+    instead of by hand.
+    """
+
+    def step(self) -> None:
+        """Exchange and average the flat model; no local step (the probe skips compute)."""
+        torch.cat([p.detach().flatten() for p in self.params], out=self.flat)
+        step = next(self.schedule)
+        self.recv = gossamer.neighbor_allreduce(
+            self.flat,
+            self_weight=step.self_weight,
+            src_weights=dict(step.src_weights),
+            dst_weights=dict(step.dst_weights),
+        )
+        self.flat.copy_(self.recv)
         offset = 0
         with torch.no_grad():
             for p in self.params:
@@ -130,8 +187,12 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
     if strategy == "awc/one-peer":
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
         return model, optim.AdaptWithCombine(sgd, model, schedule=schedule)
-    if strategy == "raw/one-peer":
+    if strategy in ("raw/one-peer", "raw-exchange/one-peer"):
         return model, RawOnePeer(sgd, model)
+    if strategy == "gossamer-exchange/one-peer":
+        return model, GossamerExchange(sgd, model)
+    if strategy == "raw-overlap/one-peer":
+        return model, RawOverlapOnePeer(sgd, model)
     if strategy == "choco-uint8/one-peer":
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
         choco = communicators.ChocoGossip("uint8", schedule=schedule)
@@ -176,7 +237,9 @@ def measure(model_name: str, strategy: str, args: argparse.Namespace) -> dict:
 
     def step() -> None:
         opt.zero_grad()
-        loss_fn(net(x), y).backward()
+        # The exchange-only probe skips compute: SGD then steps nothing (no gradients).
+        if not strategy.endswith("exchange/one-peer"):
+            loss_fn(net(x), y).backward()
         opt.step()
 
     for _ in range(args.warmup):
