@@ -16,6 +16,7 @@ from gossamer.transport import (
     AVERAGING_DTYPES,
     DTYPES,
     Handle,
+    check_flag,
     check_rank,
     check_tensor,
     group_rank,
@@ -62,9 +63,10 @@ def _result(tensor: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Ten
 
 
 def _allreduce(tensor, average, group, async_op, inplace) -> torch.Tensor | Handle:
+    # average first: it decides which dtypes are allowed, so a bad one must not be blamed
+    # on the tensor.
+    check_flag(average, "average", "allreduce")
     check_tensor(tensor, AVERAGING_DTYPES if average else _SUM_DTYPES, "allreduce")
-    if not isinstance(average, bool):
-        raise TypeError(f"allreduce: average must be a bool; got {average!r}")
     group_rank(group)
 
     def body() -> torch.Tensor:

@@ -22,6 +22,7 @@ from gossamer.transport import (
     AVERAGING_DTYPES,
     DTYPES,
     Handle,
+    check_flag,
     check_rank,
     check_rank_list,
     check_tensor,
@@ -133,6 +134,9 @@ def neighbor_allreduce(
         raise ValueError(f"{op}: self_weight and src_weights must be given together")
     if dst_weights is not None and src_weights is None:
         raise ValueError(f"{op}: dst_weights (dynamic mode) needs self_weight and src_weights")
+    if topology is not None:
+        # Also in dynamic mode, which does not use it: a wrong one must not pass unnoticed.
+        transport.check_topology(topology, group, "topology")
     weights: dict[int, float] | None = None
     if dst_weights is not None:
         sw = check_weight(self_weight, "self_weight")
@@ -152,8 +156,7 @@ def neighbor_allreduce(
             sw = check_weight(self_weight, "self_weight")
             weights = check_weights(src_weights, "src_weights", size, me, sources, "in-neighbours")
     uniform = is_uniform(sw, weights, sources)
-    if not isinstance(check_topology, bool):
-        raise TypeError(f"{op}: check_topology must be a bool; got {check_topology!r}")
+    check_flag(check_topology, "check_topology", op)
 
     def body() -> torch.Tensor:
         if check_topology:
@@ -200,6 +203,10 @@ def neighbor_allgather(
     size, me = group_size(group), group_rank(group)
     if (src_ranks is None) != (dst_ranks is None):
         raise ValueError(f"{op}: src_ranks and dst_ranks must be given together")
+    check_flag(check_topology, "check_topology", op)
+    if topology is not None:
+        # Also in dynamic mode, which does not use it: a wrong one must not pass unnoticed.
+        transport.check_topology(topology, group, "topology")
     if src_ranks is None:
         graph = _topology_for(topology, group)
         sources, dsts = list(graph.in_neighbors(me)), list(graph.out_neighbors(me))

@@ -70,6 +70,16 @@ class DecentralizedOptimizer:
                 "num_steps_per_communication must be an int >= 1; got "
                 f"{num_steps_per_communication!r}"
             )
+        if fusion_threshold_bytes is not None and (
+            isinstance(fusion_threshold_bytes, bool)
+            or not isinstance(fusion_threshold_bytes, int)
+            or fusion_threshold_bytes < 0
+        ):
+            # Checked here, not only by bucketize, so that the message names this argument.
+            raise ValueError(
+                "fusion_threshold_bytes must be an int >= 0 or None; got "
+                f"{fusion_threshold_bytes!r}"
+            )
         context.rank()  # NotInitializedError before gossamer.init()
         self.optimizer = optimizer
         self.models = _models(model)
@@ -218,7 +228,8 @@ def _communicator(
 ) -> Communicator:
     if communicator is None:
         return make(
-            communication or "neighbor_allreduce",
+            # Only None means the default: "" is an unknown name, not a request for it.
+            "neighbor_allreduce" if communication is None else communication,
             topology=topology,
             schedule=schedule,
             global_average_every=global_average_every,

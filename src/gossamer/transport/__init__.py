@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from gossamer.transport.checks import (
     AVERAGING_DTYPES,
+    check_flag,
     check_rank,
     check_rank_list,
     check_tensor,
@@ -33,6 +34,7 @@ __all__ = [
     "OPS",
     "Handle",
     "Header",
+    "check_flag",
     "check_rank",
     "check_rank_list",
     "check_same_call",

@@ -15,6 +15,7 @@ from typing import Any
 
 from gossamer import context
 from gossamer.profiling import timeline
+from gossamer.transport.checks import check_flag
 from gossamer.transport.handle import Handle
 
 __all__ = ["Engine", "run", "submit"]
@@ -60,6 +61,11 @@ def submit(op: str, fn: Callable[[], Any]) -> Handle:
 
 
 def run(op: str, fn: Callable[[], Any], async_op: bool) -> Any:
-    """Run ``fn`` on the communication thread: a handle if ``async_op``, else the result."""
+    """Run ``fn`` on the communication thread: a handle if ``async_op``, else the result.
+
+    Raises:
+        TypeError: ``async_op`` is not a bool (checked before anything is queued).
+    """
+    check_flag(async_op, "async_op", op)
     handle = submit(op, fn)
     return handle if async_op else handle.wait()
