@@ -35,8 +35,10 @@ __all__ = [
 ]
 
 # Reproducible and cheap: the same examples on every run, no example database on disk, no
-# per-example deadline (the ranks share two cores with other tests).
+# per-example deadline (the ranks share two cores with other tests). 60 examples unless a
+# fuzzer asks for more or fewer.
 FUZZ = settings(
+    max_examples=60,
     deadline=None,
     derandomize=True,
     database=None,
