@@ -6,6 +6,7 @@ in one process. In a world of one every collective is the identity (or a scaling
 makes the reference simple while every argument check runs as on a real job.
 """
 
+import numpy as np
 import pytest
 import torch
 from fuzz_cases import (
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gossamer
+import gossamer.bluefog as bf
 from gossamer import optim
 from gossamer import topology as T
 from gossamer.testing import run_distributed
@@ -49,6 +51,8 @@ EXAMPLES_PER_RUN = {
     "pair_gossip": 25,
     "window": 120,
     "optimizer": 100,
+    "window_optimizer": 50,
+    "bluefog_neighbor_allreduce": 80,
 }
 
 
@@ -446,6 +450,115 @@ def fuzz_optimizer(kind, steps, fusion, communication, topology, schedule, every
         torch.testing.assert_close(a, b)
 
 
+@settings(FUZZ, max_examples=EXAMPLES_PER_RUN["window_optimizer"])
+@given(
+    kind=st.sampled_from(["PushSum", "WindowPut"]),
+    steps=mostly(good(st.integers(1, 3)), bad_int(1)),
+    fusion=mostly(good(st.none() | st.integers(0, 64)), bad_int(0, none_ok=True)),
+    communication=mostly(
+        good(st.none() | st.just("neighbor_allreduce")),
+        bad(st.sampled_from(["allreduce", "none", "", 3]), "windows only"),
+        6,
+    ),
+    topology=mostly(
+        good(st.none() | identity_topologies()),
+        st.one_of(
+            bad(st.integers(2, 3).map(T.ring), "size differs from the world's"),
+            bad(st.sampled_from(["ring", [[1.0]]]), "not a Topology"),
+        ),
+        6,
+    ),
+)
+def fuzz_window_optimizer(kind, steps, fusion, communication, topology):
+    EXAMPLES["window_optimizer"] += 1
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = {
+        "num_steps_per_communication": steps,
+        "fusion_threshold_bytes": fusion,
+        "communication": communication,
+        "topology": topology,
+    }
+    kwargs = {k: a.value for k, a in args.items()}
+    opt = verdict(call(getattr(optim, kind), base, model, **kwargs), args)
+    # A refused optimizer must not leave windows behind (they would block set_topology).
+    if opt is None:
+        assert gossamer.live_windows() == []
+        return
+    try:
+        got = _train(opt, model)
+    finally:
+        opt.close()
+    assert gossamer.live_windows() == []
+    reference_model = _model()
+    reference = _train(torch.optim.SGD(reference_model.parameters(), lr=0.1), reference_model)
+    for a, b in zip(got, reference, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@settings(FUZZ, max_examples=EXAMPLES_PER_RUN["bluefog_neighbor_allreduce"])
+@given(
+    tensor=mostly(
+        good(tensors(FLOATS[:2])),
+        bad(tensors((torch.int64, torch.int32)), "not floating point"),
+        6,
+    ),
+    mode=st.sampled_from(["static", "weights", "dynamic", "dynamic list", "self_weight alone"]),
+    self_weight=mostly(
+        good(st.floats(-3, 3) | st.integers(-2, 2) | st.just(np.float64(0.5))),
+        bad(st.sampled_from(["0.5", True, [0.5]]), "not a float"),
+        8,
+    ),
+    src_weights=mostly(
+        good(st.just({})),
+        st.one_of(
+            bad(st.just({0: 0.5}), "this rank"),
+            bad(st.just({np.int64(3): 0.5}), "not a rank"),
+            bad(st.sampled_from([[0], "0"]), "not a dict"),
+        ),
+        6,
+    ),
+    removed=st.sampled_from([None, None, None, "neighbor_weights", "send_neighbors"]),
+    nonblocking=st.booleans(),
+    name=st.none() | st.text("xyz", min_size=1, max_size=3),
+)
+def fuzz_bluefog_neighbor_allreduce(
+    tensor, mode, self_weight, src_weights, removed, nonblocking, name
+):
+    EXAMPLES["bluefog_neighbor_allreduce"] += 1
+    bf.init()
+    args = {"tensor": tensor}
+    extra = {}
+    if mode != "static":
+        args["self_weight"] = self_weight
+    if mode in ("weights", "dynamic", "dynamic list"):
+        args["src_weights"] = src_weights
+    if mode == "dynamic":
+        args["dst_weights"] = Arg({})
+    elif mode == "dynamic list":
+        args["dst_weights"] = Arg([])
+    elif mode == "self_weight alone":
+        extra["self_weight"] = "without src_weights"
+    kwargs = {k: a.value for k, a in args.items() if k != "tensor"}
+    if removed is not None:
+        kwargs[removed] = {}
+        extra[removed] = "a removed argument"  # BlueFog raises TypeError with a hint
+    fn = bf.neighbor_allreduce_nonblocking if nonblocking else bf.neighbor_allreduce
+    names = {
+        "tensor": ("floating-point",),
+        "self_weight": ("src_weights",),
+        "src_weights": ("self_weight",),
+    }
+    outcome = call(fn, tensor.value, name=name, **kwargs)
+    result = verdict(outcome, args, names=names, extra_bad=extra)
+    if result is None:
+        return
+    out = bf.synchronize(result) if nonblocking else result
+    w = float(self_weight.value) if "self_weight" in args else 1.0
+    expected = tensor.value if w == 1.0 else tensor.value * w
+    same(out, expected)
+
+
 # ---------------------------------------------------------------------- the pytest side
 FUZZERS = {
     "collectives": fuzz_collectives,
@@ -454,6 +567,8 @@ FUZZERS = {
     "pair_gossip": fuzz_pair_gossip,
     "window": fuzz_window,
     "optimizer": fuzz_optimizer,
+    "window_optimizer": fuzz_window_optimizer,
+    "bluefog_neighbor_allreduce": fuzz_bluefog_neighbor_allreduce,
 }
 
 
