@@ -23,10 +23,12 @@ MODULES = {
     "gossamer.optim": "decentralized optimizers and training helpers",
     "gossamer.checkpoint": "checkpoints for exact resume: one file per rank and a manifest",
     "gossamer.fusion": "flat buckets for tensor fusion",
+    "gossamer.compression": "compressors, error feedback, registry (pure tensor transforms)",
     "gossamer.profiling": "timeline (Chrome trace)",
     "gossamer.testing": "the distributed test harness",
     "gossamer.models": "small models for examples and benchmarks",
     "gossamer.bluefog": "the BlueFog facade (`import gossamer.bluefog as bf`)",
+    "gossamer.bagua": "the Bagua facade (`import gossamer.bagua as bagua`)",
 }
 
 

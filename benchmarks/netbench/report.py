@@ -44,8 +44,23 @@ def _exp2_offsets(n: int) -> list[int]:
     return [2**i for i in range(max(1, math.ceil(math.log2(n))) if n > 1 else 0) if 2**i < n]
 
 
+# Compressed strategies: (the uncompressed pattern they follow, bytes sent per model byte).
+COMPRESSED = {
+    "choco-uint8/one-peer": ("atc/one-peer", 0.25),
+    "bytegrad": ("ddp", 0.25),
+    # every rank's top 1 % (float32 value + int32 index) reaches every other rank
+    "topk-ef/allreduce": ("allgather", 0.02),
+}
+
+
 def host_egress_bytes(strategy: str, model_bytes: float, ranks: int, per_host: int) -> float:
     """Bytes the busiest host sends per step under ``strategy`` (ranks placed contiguously)."""
+    if strategy in COMPRESSED:
+        pattern, ratio = COMPRESSED[strategy]
+        if pattern == "allgather":
+            hosts = ranks // per_host
+            return 0.0 if hosts <= 1 else (ranks - per_host) * ratio * model_bytes
+        return host_egress_bytes(pattern, ratio * model_bytes, ranks, per_host)
     n, p, m = ranks, per_host, model_bytes
     hosts = n // p
     if strategy == "compute" or hosts <= 1:

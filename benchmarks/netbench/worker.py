@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gossamer
-from gossamer import optim
+from gossamer import communicators, optim
 from gossamer import topology as topo
 from gossamer.models import MLP, SmallResNet
 
@@ -35,6 +35,9 @@ STRATEGIES = (
     "atc/one-peer",
     "awc/one-peer",
     "raw/one-peer",
+    "choco-uint8/one-peer",
+    "bytegrad",
+    "topk-ef/allreduce",
     "hier-atc",
     "win-put",
 )
@@ -129,6 +132,15 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         return model, optim.AdaptWithCombine(sgd, model, schedule=schedule)
     if strategy == "raw/one-peer":
         return model, RawOnePeer(sgd, model)
+    if strategy == "choco-uint8/one-peer":
+        schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
+        choco = communicators.ChocoGossip("uint8", schedule=schedule)
+        return model, optim.AdaptWithCombine(sgd, model, communicator=choco)
+    if strategy == "bytegrad":
+        bytegrad = communicators.CompressedAllreduce("uint8", error_feedback=False)
+        return model, optim.GradientAllreduce(sgd, model, communicator=bytegrad)
+    if strategy == "topk-ef/allreduce":
+        return model, optim.GradientAllreduce(sgd, model, compression="topk:0.01")
     if strategy == "hier-atc":
         gossamer.set_machine_topology(topo.exponential_two(gossamer.machine_size()))
         return model, optim.AdaptThenCombine(

@@ -42,7 +42,7 @@ def weighted_sum(
     result has ``x``'s dtype and never aliases ``x``.
     """
     wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    if not wide.is_floating_point:
+    if not (wide.is_floating_point or wide.is_complex):
         # Integer windows: combine in float64 (an in-place division of an integer tensor
         # fails), then truncate back, as the weighted path's cast does.
         wide = torch.float64

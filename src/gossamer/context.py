@@ -37,6 +37,7 @@ __all__ = [
     "local_size",
     "machine_rank",
     "machine_size",
+    "on_init",
     "on_shutdown",
     "rank",
     "runtime",
@@ -110,6 +111,8 @@ class Runtime:
         host_group: dist.ProcessGroup,
         timeout: float,
         owns_process_group: bool,
+        store: dist.Store | None = None,
+        store_host: int | None = None,
     ) -> None:
         self.layout = layout
         self.backend = backend
@@ -117,6 +120,9 @@ class Runtime:
         self.host_group = host_group
         self.timeout = timeout
         self.owns_process_group = owns_process_group
+        # The rendezvous store (if known) and the rank hosting it (None: agent, file).
+        self.store = store
+        self.store_host = store_host
         # Default topologies, keyed by group ("world" for the whole world): ops read them.
         self.topologies: dict[object, Any] = {}
         self.machine_topology: Any = None
@@ -152,12 +158,19 @@ class Runtime:
 
 _state: Runtime | None = None
 _shutdown_hooks: list[Callable[[], None]] = []
+_init_hooks: list[Callable[[], object]] = []
 
 
 def on_shutdown(hook: Callable[[], None]) -> None:
     """Register ``hook`` to run at every :func:`shutdown`, before the runtime closes."""
     if hook not in _shutdown_hooks:
         _shutdown_hooks.append(hook)
+
+
+def on_init(hook: Callable[[], object]) -> None:
+    """Register ``hook`` to run at the end of every :func:`init` (higher layers start there)."""
+    if hook not in _init_hooks:
+        _init_hooks.append(hook)
 
 
 def _resolve_backend(requested: str) -> str:
@@ -170,7 +183,8 @@ def _resolve_backend(requested: str) -> str:
     return requested
 
 
-def _start_process_group(backend: str, timeout: float) -> None:
+def _start_process_group(backend: str, timeout: float) -> tuple[dist.Store, int | None]:
+    """Start the default process group; return its store and the rank that hosts it."""
     info = env.launch_info()
     # A combined backend routes CUDA tensors to NCCL and CPU tensors to gloo in one group.
     pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
@@ -179,23 +193,18 @@ def _start_process_group(backend: str, timeout: float) -> None:
             f"WORLD_SIZE={info.world_size} but MASTER_ADDR is not set; start the "
             "program with `gossamer run -np N` or torchrun"
         )
-    if info.launched:
-        dist.init_process_group(
-            pg_backend,
-            init_method="env://",
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=timedelta(seconds=timeout),
-        )
-    else:
-        # No launcher: a world of one, so every operation still works.
-        dist.init_process_group(
-            pg_backend,
-            store=dist.HashStore(),
-            rank=0,
-            world_size=1,
-            timeout=timedelta(seconds=timeout),
-        )
+    wait = timedelta(seconds=timeout)
+    store: dist.Store = dist.HashStore()  # no launcher: a world of one, so every op works
+    pg_store, host = store, None
+    if info.launched:  # what init_method="env://" does, keeping the store (torchrun's agent's)
+        agent = info.agent_store
+        args = (info.master_addr, info.master_port, info.world_size)
+        store = dist.TCPStore(*args, is_master=info.rank == 0 and not agent, timeout=wait)
+        pg_store, host = dist.PrefixStore("default_pg", store), None if agent else 0
+    dist.init_process_group(
+        pg_backend, store=pg_store, rank=info.rank, world_size=info.world_size, timeout=wait
+    )
+    return store, host
 
 
 def _machine_key(settings: env.Settings, rank: int) -> str:
@@ -225,7 +234,9 @@ def _gather_on_host(obj: object) -> list[object] | None:
     return gathered
 
 
-def init(*, backend: str | None = None, timeout: float | None = None) -> None:
+def init(
+    *, backend: str | None = None, timeout: float | None = None, store: dist.Store | None = None
+) -> None:
     """Join the job: set up ``torch.distributed`` and learn the rank layout.
 
     Reads what ``torchrun`` (or ``gossamer run``) sets; started with plain ``python`` the
@@ -238,6 +249,10 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> None:
             over gloo) or ``"auto"``. Defaults to ``GOSSAMER_BACKEND`` (``"gloo"``).
         timeout (float, optional): seconds a blocking wait may take. Defaults to
             ``GOSSAMER_TIMEOUT`` (300).
+        store (torch.distributed.Store, optional): the rendezvous store of a process group
+            started before ``init`` (the one given to ``init_process_group``). gossamer
+            keeps a heartbeat per rank there, so that errors after a rank's death name it;
+            without it they cannot. Ignored when gossamer starts the process group itself.
 
     Raises:
         ValueError: for an unknown backend, NCCL without CUDA, or a non-positive timeout.
@@ -258,14 +273,17 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> None:
         or not 0 < timeout < float("inf")
     ):
         raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
+    if store is not None and not isinstance(store, dist.Store):
+        raise TypeError(f"store must be a torch.distributed.Store; got {type(store).__name__}")
     if _state is not None:
         return
     logging.getLogger("gossamer").setLevel(settings.log_level)
     timeout = float(timeout if timeout is not None else settings.timeout)
     owns = not dist.is_initialized()
+    store_host = None
     if owns:
         resolved = _resolve_backend((backend or settings.backend).lower())
-        _start_process_group(resolved, timeout)
+        store, store_host = _start_process_group(resolved, timeout)
     else:
         resolved = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
     # Window traffic and small host-side messages always go over gloo.
@@ -283,9 +301,13 @@ def init(*, backend: str | None = None, timeout: float | None = None) -> None:
         host_group=host,
         timeout=timeout,
         owns_process_group=owns,
+        store=store,
+        store_host=store_host,
     )
     profiling.attach(found.rank, found.size, _gather_on_host)
     profiling.maybe_start_from_env()
+    for hook in _init_hooks:
+        hook()
     logger.debug("initialized rank %d of %d (%s)", _state.layout.rank, _state.layout.size, resolved)
 
 

@@ -32,8 +32,9 @@ variable                       default    meaning
 =============================  =========  ===================================================
 
 Set by the launcher (``torchrun``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node's index), ``MASTER_ADDR``, ``MASTER_PORT``.
-Without them a program runs as world size 1.
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node's index), ``MASTER_ADDR``, ``MASTER_PORT``, and
+``TORCHELASTIC_USE_AGENT_STORE`` (the launcher's agent hosts the rendezvous store). Without
+them a program runs as world size 1.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class LaunchInfo:
     node_rank: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    agent_store: bool = False  # the store at MASTER_ADDR:MASTER_PORT is the launcher agent's
 
     @property
     def launched(self) -> bool:
@@ -145,4 +147,5 @@ def launch_info(env: Mapping[str, str] | None = None) -> LaunchInfo:
         node_rank=_int(env, "GROUP_RANK", minimum=0),
         master_addr=env.get("MASTER_ADDR") or None,
         master_port=_int(env, "MASTER_PORT", minimum=1),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "CommunicationTimeout",
     "GossamerError",
     "NotInitializedError",
+    "PeerArgumentError",
     "PeerError",
+    "RankLostError",
     "TopologyError",
     "WindowError",
 ]
@@ -30,6 +34,39 @@ class CommunicationTimeout(GossamerError, TimeoutError):
 
 class PeerError(GossamerError, RuntimeError):
     """A peer died, or called a different operation or tensor layout than this rank."""
+
+
+class PeerArgumentError(PeerError):
+    """A peer rejected its arguments for the call this rank made with it.
+
+    The peer raised its own ``ValueError``/``TypeError``; this rank learns of it within the
+    call instead of waiting for the deadline. The message names the rank and its reason.
+
+    Attributes:
+        rank: the (lowest) global rank that rejected its arguments.
+        ranks: every rank that did, ascending.
+    """
+
+    def __init__(self, message: str, ranks: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks: list[int] = sorted(ranks)
+        self.rank: int | None = self.ranks[0] if self.ranks else None
+
+
+class RankLostError(PeerError):
+    """A rank died or left the job; the process group cannot be used any more.
+
+    Every operation after the loss raises it at once. The message names the lost ranks.
+
+    Attributes:
+        rank: the (lowest) lost global rank.
+        ranks: every lost rank known, ascending.
+    """
+
+    def __init__(self, message: str, ranks: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks: list[int] = sorted(ranks)
+        self.rank: int | None = self.ranks[0] if self.ranks else None
 
 
 class WindowError(GossamerError, RuntimeError):

@@ -62,14 +62,16 @@ def _worker(rank: int, world_size: int, store: str, conn: Connection, pg_timeout
     # Ranks share two cores: one thread each keeps them from starving one another.
     torch.set_num_threads(1)
     try:
+        # The same store goes to gossamer, which keeps each rank's heartbeat there.
+        file_store = dist.FileStore(store, world_size)
         dist.init_process_group(
             "gloo",
-            store=dist.FileStore(store, world_size),
+            store=file_store,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout),
         )
-        context.init(timeout=pg_timeout)
+        context.init(timeout=pg_timeout, store=file_store)
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -89,7 +91,7 @@ def _worker(rank: int, world_size: int, store: str, conn: Connection, pg_timeout
                 # Variables such as GOSSAMER_NODES_PER_MACHINE are read at init: re-init.
                 undo, env = _apply_env(call_env, undo), call_env
                 context.shutdown()
-                context.init(timeout=pg_timeout)
+                context.init(timeout=pg_timeout, store=file_store)
             reply: tuple[str, Any] = ("ok", fn(*args, **kwargs))
         except BaseException:
             reply = ("error", traceback.format_exc())
@@ -235,7 +237,16 @@ def _context() -> mp.context.BaseContext:
     # of a second instead of one torch import per rank.
     ctx = mp.get_context("forkserver")
     # torch._dynamo is what the first torch.optim optimizer imports: seconds per rank.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "gossamer"])
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "torch.distributed",
+            "torch._dynamo",
+            "gossamer.context",
+            "gossamer.ops",
+            "gossamer.windows",
+        ]
+    )
     return ctx
 
 

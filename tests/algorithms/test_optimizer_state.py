@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from problems import least_squares_data, linear_model
 from sampling import RandomShift
 
 import gossamer
 from gossamer import optim
 from gossamer.communicators import NeighborAllreduce
 from gossamer.testing import run_distributed
+from problems import least_squares_data, linear_model
 
 
 def _loss(model, rank):

@@ -292,7 +292,7 @@ def test_several_async_operations_in_flight():
 def _bad_arguments():
     r, n = gossamer.rank(), gossamer.size()
     x = torch.zeros(3)
-    other = (r + 1) % n
+    other, prev = (r + 1) % n, (r - 1) % n
     nar = gossamer.neighbor_allreduce
     cases = [
         (ValueError, "given together", lambda: nar(x, self_weight=0.5)),
@@ -325,15 +325,16 @@ def _bad_arguments():
             "must not contain this rank",
             lambda: nar(x, self_weight=0.5, src_weights={r: 0.5}, dst_weights=[other]),
         ),
+        # Valid peer lists, matching across ranks: the rejecting ranks take part with them.
         (
             TypeError,
             "self_weight must be a real number",
-            lambda: nar(x, self_weight="half", src_weights={other: 0.5}, dst_weights=[other]),
+            lambda: nar(x, self_weight="half", src_weights={prev: 0.5}, dst_weights=[other]),
         ),
         (
             ValueError,
             "finite",
-            lambda: nar(x, self_weight=0.5, src_weights={other: float("nan")}, dst_weights=[other]),
+            lambda: nar(x, self_weight=0.5, src_weights={prev: float("nan")}, dst_weights=[other]),
         ),
         (TypeError, "int64 is not supported", lambda: nar(torch.zeros(3, dtype=torch.int64))),
         (TypeError, "topology must be", lambda: nar(x, topology="ring")),

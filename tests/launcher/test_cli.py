@@ -28,11 +28,14 @@ def _plan(argv):
     return cli._plan(cli.build_parser().parse_args(ours), cmd)
 
 
-def test_single_machine_plan_is_standalone_torchrun():
-    plan = _plan(["run", "-np", "3", "a.py", "x"])
-    assert plan["torchrun"] == [
-        "--standalone",
+def test_single_machine_plan_rendezvouses_on_loopback():
+    plan = _plan(["run", "-np", "3", "--rdzv-id", "job", "a.py", "x"])
+    assert plan.loopback and plan.hosts is None
+    assert plan.torchrun == [
         "--nnodes=1",
+        "--rdzv-backend=gossamer-loopback",
+        "--rdzv-endpoint=127.0.0.1:0",
+        "--rdzv-id=job",
         "--nproc-per-node=3",
         "--max-restarts=0",
         "a.py",
@@ -40,15 +43,22 @@ def test_single_machine_plan_is_standalone_torchrun():
     ]
 
 
+def test_the_loopback_backend_name_matches_the_module():
+    from gossamer.launcher import loopback
+
+    assert f"--rdzv-backend={loopback.BACKEND}" in _plan(["run", "-np", "2", "a.py"]).torchrun
+
+
 def test_multi_machine_plan_uses_the_rendezvous_endpoint():
     plan = _plan(["run", "-np", "8", "--nnodes", "2", "--rdzv-endpoint", "h:1234", "-m", "m"])
-    assert plan["torchrun"][:4] == [
+    assert not plan.loopback
+    assert plan.torchrun[:4] == [
         "--nnodes=2",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=h:1234",
         "--rdzv-id=gossamer",
     ]
-    assert plan["torchrun"][4:] == ["--nproc-per-node=4", "--max-restarts=0", "--module", "m"]
+    assert plan.torchrun[4:] == ["--nproc-per-node=4", "--max-restarts=0", "--module", "m"]
 
 
 @pytest.mark.parametrize(
@@ -115,7 +125,7 @@ def test_local_hosts():
 def test_launcher_node_rank_uses_static_rendezvous():
     argv = ["run", "--nnodes", "4", "--node-rank", "2", "--nproc-per-node", "2",
             "--rdzv-endpoint", "10.77.0.1:29511", "a.py", "--x"]  # fmt: skip
-    assert _plan(argv)["torchrun"] == [
+    assert _plan(argv).torchrun == [
         "--nnodes=4",
         "--rdzv-backend=static",
         "--master-addr=10.77.0.1",
@@ -140,3 +150,43 @@ def test_launcher_node_rank_errors(extra, message):
     argv = ["run", "--nnodes", "4", "--nproc-per-node", "1", *extra, "a.py"]
     with pytest.raises(ValueError, match=message):
         _plan(argv)
+
+
+def test_split_knows_that_log_dir_takes_a_value():
+    ours, cmd = cli._split(["run", "-np", "2", "--log-dir", "logs", "--tag-output", "a.py", "-v"])
+    assert ours == ["run", "-np", "2", "--log-dir", "logs", "--tag-output"]
+    assert cmd == ["a.py", "-v"]
+
+
+def test_log_dir_is_made_absolute_and_created(tmp_path):
+    plan = _plan(["run", "-np", "2", "--log-dir", "out/logs", "a.py"])
+    assert plan.log_dir == str(tmp_path / "out" / "logs")
+    assert (tmp_path / "out" / "logs").is_dir()
+
+
+def test_a_log_dir_that_is_a_file_exits_2_before_starting_anything(tmp_path, capsys):
+    (tmp_path / "taken").write_text("")
+    assert cli.main(["run", "-np", "2", "--log-dir", "taken", "a.py"]) == 2
+    assert f"--log-dir {str(tmp_path / 'taken')!r} cannot be created" in capsys.readouterr().err
+
+
+def test_hosts_rendezvous_endpoint(monkeypatch):
+    from gossamer.launcher import hosts
+
+    all_local = hosts.rendezvous_endpoint([("localhost", 1), ("127.0.0.1", 2)])
+    assert all_local.startswith("127.0.0.1:") and all_local.split(":")[1].isdigit()
+    assert hosts.rendezvous_endpoint([("node-elsewhere", 2), ("localhost", 1)]) == (
+        "node-elsewhere:29400"
+    )
+    # This machine first, others remote: they cannot reach "localhost"; give them a name.
+    monkeypatch.setattr(hosts.socket, "getfqdn", lambda: "this-machine.example")
+    mixed = hosts.rendezvous_endpoint([("localhost", 1), ("node-elsewhere", 1)])
+    assert mixed.startswith("this-machine.example:")
+
+
+def test_the_hidden_agent_flag_parses_but_is_not_in_the_help():
+    args = cli.build_parser().parse_args(["run", "-np", "1", "--hosts-agent", "--tag-output"])
+    assert args.hosts_agent and args.tag_output
+    run = cli.build_parser()._subparsers._group_actions[0].choices["run"]
+    assert "--hosts-agent" not in run.format_help()
+    assert "--tag-output" in run.format_help() and "--log-dir" in run.format_help()

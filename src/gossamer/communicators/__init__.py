@@ -8,7 +8,10 @@ class                              one round
 ``HierarchicalNeighborAllreduce``  sum per machine, average with neighbour machines
 ``WindowPutGossip``                put into neighbours' windows; combine what arrived
 ``PushSumGossip``                  push shares of (x, p) over windows (directed graphs)
+``MoshpitAverage``                 average within the groups of one grid dimension, in turn
 ``NoCommunication``                nothing (or only the periodic global average)
+``CompressedAllreduce``            global average through a compressor (scatter-reduce-gather)
+``ChocoGossip``                    compressed neighbour averaging with public copies (CHOCO)
 =================================  =========================================================
 
 Optimizers take a communicator object (``communicator=NeighborAllreduce(schedule=...)``);
@@ -20,24 +23,34 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gossamer.communicators.base import Communicator, Deferred, Pending
+from gossamer.communicators.choco import ChocoGossip, default_gamma
 from gossamer.communicators.collective import Allreduce, NoCommunication
+from gossamer.communicators.compressed import CompressedAllreduce
+from gossamer.communicators.moshpit import MoshpitAverage, grid_groups, near_cubic_grid
 from gossamer.communicators.neighbor import HierarchicalNeighborAllreduce, NeighborAllreduce
 from gossamer.communicators.window import PushSumGossip, WindowPutGossip
+from gossamer.compression import Compressor, get_compressor
 from gossamer.topology import Step, Topology
 
 __all__ = [
     "COMMUNICATIONS",
     "COMMUNICATORS",
     "Allreduce",
+    "ChocoGossip",
     "Communicator",
+    "CompressedAllreduce",
     "Deferred",
     "HierarchicalNeighborAllreduce",
+    "MoshpitAverage",
     "NeighborAllreduce",
     "NoCommunication",
     "Pending",
     "PushSumGossip",
     "WindowPutGossip",
+    "default_gamma",
+    "grid_groups",
     "make",
+    "near_cubic_grid",
 ]
 
 #: every pattern by name
@@ -50,6 +63,9 @@ COMMUNICATORS: dict[str, type[Communicator]] = {
         NoCommunication,
         WindowPutGossip,
         PushSumGossip,
+        CompressedAllreduce,
+        ChocoGossip,
+        MoshpitAverage,
     )
 }
 #: the names an optimizer's ``communication=`` accepts
@@ -62,13 +78,19 @@ def make(
     topology: Topology | None = None,
     schedule: Iterator[Step] | None = None,
     global_average_every: int | None = None,
+    compression: str | Compressor | None = None,
+    error_feedback: bool | None = None,
 ) -> Communicator:
     """The communicator that ``communication`` names, built from the optimizer options.
 
     ``topology`` applies to ``"neighbor_allreduce"``; ``schedule`` to the neighbour patterns.
+    With a ``compression`` other than ``"none"``, neighbour averaging becomes
+    :class:`ChocoGossip` and ``allreduce`` :class:`CompressedAllreduce` (``error_feedback``
+    applies to the latter; CHOCO's public copies already compensate the error).
 
     Raises:
-        ValueError: an unknown name, or both ``topology`` and ``schedule``.
+        ValueError: an unknown name, both ``topology`` and ``schedule``, or compression with
+            a communication that has no compressed form.
         TypeError: a ``topology`` or ``schedule`` of the wrong type.
     """
     if communication not in COMMUNICATIONS:
@@ -80,6 +102,18 @@ def make(
     if topology is not None and schedule is not None:
         raise ValueError("give topology or schedule, not both")
     every = {"global_average_every": global_average_every}
+    compressor = get_compressor(compression)
+    if error_feedback is not None and compressor.name == "none":
+        raise ValueError(f"error_feedback={error_feedback!r} needs a compression; got none")
+    if compressor.name != "none":
+        if communication == "neighbor_allreduce":
+            return ChocoGossip(compressor, topology=topology, schedule=schedule, **every)
+        if communication == "allreduce":
+            return CompressedAllreduce(compressor, error_feedback=error_feedback, **every)
+        raise ValueError(
+            f"compression={compressor.name!r} has no compressed form for communication="
+            f"{communication!r}; use 'neighbor_allreduce' (CHOCO) or 'allreduce'"
+        )
     if communication == "neighbor_allreduce":
         return NeighborAllreduce(topology, schedule=schedule, **every)
     if communication == "hierarchical_neighbor_allreduce":

@@ -1,23 +1,25 @@
 """The ``gossamer`` command line: ``gossamer run -np N [options] script.py args...``.
 
 ``gossamer run`` is a thin layer over ``torch.distributed.run`` (torchrun): it translates
-BlueFog-style options into torchrun's, starts one torchrun agent per machine, and turns a
-failed rank into a message that names it and an exit code that passes the rank's through.
+BlueFog-style options into torchrun's, starts one torchrun agent per machine, forwards the
+ranks' output line by line, and turns a failed rank into a message that names it and an
+exit code that passes the rank's through.
+
+This module imports neither torch nor the gossamer runtime: options are checked (and
+``--version`` answered) without them; torch is imported once a job starts.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import shlex
-import signal
 import socket
-import subprocess
 import sys
 import uuid
+from dataclasses import dataclass
 
-from gossamer.launcher.hosts import is_local_host, parse_hosts, place
+from gossamer.launcher.hosts import AGENT_FLAG, parse_hosts, place, run_hosts, watch_parent
+from gossamer.launcher.signals import Interrupted, Interruption, interrupted_message
 
 __all__ = ["build_parser", "main"]
 
@@ -34,10 +36,12 @@ _VALUED = {
     "--node-rank",
     "--network-interface",
     "--ssh-port",
+    "--log-dir",
 }
-# Variables forwarded to ranks started over ssh (local ranks inherit the whole environment).
-_FORWARDED_PREFIXES = ("GOSSAMER_", "PYTHONPATH", "OMP_NUM_THREADS", "GLOO_", "NCCL_")
-_DEFAULT_RDZV_PORT = 29400
+# Single-machine jobs rendezvous through gossamer.launcher.loopback (its BACKEND); named here
+# too because importing that module imports torch.
+_LOOPBACK_BACKEND = "gossamer-loopback"
+_LOOPBACK_INTERFACE = "lo"
 
 
 def _positive_int(name: str):
@@ -91,7 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--network-interface", help="network interface for gloo and NCCL traffic")
     run.add_argument("--ssh-port", type=_positive_int("--ssh-port"), help="ssh port for -H")
+    run.add_argument(
+        "--tag-output",
+        action="store_true",
+        help="put [rank] before every stdout line and [rank,stderr] before every stderr line",
+    )
+    run.add_argument(
+        "--log-dir",
+        help="also write each rank's output to DIR/rank.<k>.stdout and DIR/rank.<k>.stderr",
+    )
     run.add_argument("--verbose", action="store_true", help="show torchrun's own log")
+    # Given by a -H launcher to the agents it starts (see hosts.watch_parent).
+    run.add_argument(AGENT_FLAG, action="store_true", dest="hosts_agent", help=argparse.SUPPRESS)
     return parser
 
 
@@ -122,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(ours)
     if args.version:
-        from gossamer import __version__
-
-        print(f"gossamer {__version__}")
+        print(f"gossamer {_version()}")
         return 0
     if args.subcommand != "run":
         parser.print_help(sys.stderr)
@@ -136,22 +149,97 @@ def main(argv: list[str] | None = None) -> int:
     if args.network_interface:
         os.environ["GLOO_SOCKET_IFNAME"] = args.network_interface
         os.environ["NCCL_SOCKET_IFNAME"] = args.network_interface
-    if plan["hosts"]:
-        return _run_hosts(args, plan["hosts"], command)
-    return _run_agent(plan["torchrun"], verbose=args.verbose)
+    elif plan.loopback:
+        _pin_to_loopback()
+    with Interruption() as interruption:
+        try:
+            return _launch(args, plan, command, interruption)
+        except Interrupted as err:
+            # Before torchrun started anything (torch was still being imported, say).
+            if not args.hosts_agent:
+                print(interrupted_message(0), file=sys.stderr)
+            return 128 + err.signum
 
 
-def _plan(args: argparse.Namespace, command: list[str]) -> dict:
+def _launch(
+    args: argparse.Namespace, plan: _Plan, command: list[str], interruption: Interruption
+) -> int:
+    agent_options = [f"--log-dir={plan.log_dir}"] if plan.log_dir else []
+    if args.tag_output:
+        agent_options.append("--tag-output")
+    if args.network_interface:
+        agent_options.append(f"--network-interface={args.network_interface}")
+    if args.verbose:
+        agent_options.append("--verbose")
+    if plan.hosts:
+        return run_hosts(
+            plan.hosts,
+            command,
+            interruption,
+            agent_options=agent_options,
+            rdzv_id=args.rdzv_id,
+            ssh_port=args.ssh_port,
+        )
+    if args.hosts_agent:
+        watch_parent()
+    from gossamer.launcher.agent import run_agent  # imports torch
+
+    return run_agent(
+        plan.torchrun,
+        interruption,
+        verbose=args.verbose,
+        tag_output=args.tag_output,
+        log_dir=plan.log_dir,
+        announce_interrupt=not args.hosts_agent,
+    )
+
+
+def _pin_to_loopback() -> None:
+    """Keep gloo's and NCCL's sockets of a single-machine job on the loopback interface.
+
+    Without a name they bind to the address the host name resolves to, which is usually
+    reachable from the network. A name the user set wins.
+    """
+    if _LOOPBACK_INTERFACE not in {name for _, name in socket.if_nameindex()}:
+        return
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _LOOPBACK_INTERFACE)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", _LOOPBACK_INTERFACE)
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("gossamer")
+    except metadata.PackageNotFoundError:
+        # Running from a source tree. The root package is loaded already (Python imports a
+        # package's parents first) and holds the version; importing it by name here would
+        # make the launcher depend on the root package's API.
+        return str(getattr(sys.modules.get("gossamer"), "__version__", "unknown"))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a checked command line will start."""
+
+    hosts: list[tuple[str, int]] | None  # -H: one agent per host
+    torchrun: list[str]  # otherwise: torchrun's arguments for the agent in this process
+    loopback: bool  # a single-machine job: everything on 127.0.0.1
+    log_dir: str | None  # absolute
+
+
+def _plan(args: argparse.Namespace, command: list[str]) -> _Plan:
     if not command or command == ["-m"]:
         raise ValueError("no program given: add `script.py [args]` or `-m module [args]`")
     if command[0] != "-m" and not os.path.isfile(command[0]):
         raise ValueError(f"script {command[0]!r} does not exist")
+    log_dir = _log_dir(args.log_dir)
     if args.hosts and (args.nnodes or args.rdzv_endpoint):
         raise ValueError("-H/--hosts cannot be combined with --nnodes/--rdzv-endpoint")
     if args.hosts:
         if args.num_proc is None:
             raise ValueError("-np is required with -H/--hosts")
-        return {"hosts": place(args.num_proc, parse_hosts(args.hosts))}
+        return _Plan(place(args.num_proc, parse_hosts(args.hosts)), [], False, log_dir)
     nnodes = args.nnodes or 1
     per_node = args.nproc_per_node
     if per_node is None:
@@ -190,105 +278,33 @@ def _plan(args: argparse.Namespace, command: list[str]) -> dict:
             f"--rdzv-id={args.rdzv_id or 'gossamer'}",
         ]
     else:
-        torchrun = ["--standalone", "--nnodes=1"]
+        # Not --standalone: its stores listen on every interface (see loopback.py).
+        torchrun = [
+            "--nnodes=1",
+            f"--rdzv-backend={_LOOPBACK_BACKEND}",
+            "--rdzv-endpoint=127.0.0.1:0",
+            f"--rdzv-id={args.rdzv_id or uuid.uuid4().hex[:12]}",
+        ]
     torchrun += [f"--nproc-per-node={per_node}", "--max-restarts=0"]
     if command[0] == "-m":
         torchrun += ["--module", *command[1:]]
     else:
         torchrun += command
-    return {"hosts": None, "torchrun": torchrun}
+    loopback = nnodes == 1 and not args.rdzv_endpoint
+    return _Plan(None, torchrun, loopback, log_dir)
 
 
-def _run_agent(torchrun_argv: list[str], *, verbose: bool) -> int:
-    """Run one torchrun agent in this process; return the first failed rank's exit code."""
-    import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    if not verbose:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-        # torchrun would pick 1 as well, but with a banner on every launch.
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _log_dir(path: str | None) -> str | None:
+    """``--log-dir`` made absolute and created; refused before anything starts."""
+    if path is None:
+        return None
+    if not path:
+        raise ValueError("--log-dir must name a directory; got ''")
+    path = os.path.abspath(path)
     try:
-        torchrun.run(torchrun.parse_args(torchrun_argv))
-    except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        code = failure.exitcode
-        how = (
-            f"was killed by signal {signal.Signals(-code).name}"
-            if code < 0
-            else f"failed with exit code {code}"
-        )
-        print(
-            f"gossamer run: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}",
-            file=sys.stderr,
-        )
-        for other in sorted(r for r in err.failures if r != rank):
-            print(
-                f"gossamer run: rank {other} then ended with code {err.failures[other].exitcode}",
-                file=sys.stderr,
-            )
-        return 128 - code if code < 0 else code or 1
-    return 0
-
-
-def _run_hosts(args: argparse.Namespace, hosts: list[tuple[str, int]], command: list[str]) -> int:
-    """Start one agent per host (locally or over ssh) around one c10d rendezvous."""
-    first = hosts[0][0]
-    endpoint = (
-        f"127.0.0.1:{_free_port()}" if is_local_host(first) else f"{first}:{_DEFAULT_RDZV_PORT}"
-    )
-    job = args.rdzv_id or uuid.uuid4().hex[:12]
-    procs = []
-    for host, count in hosts:
-        agent = [
-            sys.executable,
-            "-m",
-            "gossamer.launcher",
-            "run",
-            f"--nnodes={len(hosts)}",
-            f"--nproc-per-node={count}",
-            f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={job}",
-        ]
-        if args.network_interface:
-            agent.append(f"--network-interface={args.network_interface}")
-        if args.verbose:
-            agent.append("--verbose")
-        agent += command
-        if not is_local_host(host):
-            agent = _over_ssh(host, agent, args.ssh_port)
-        procs.append(subprocess.Popen(agent))
-    return _wait_all(procs)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _over_ssh(host: str, agent: list[str], port: int | None) -> list[str]:
-    forwarded = [f"{k}={v}" for k, v in os.environ.items() if k.startswith(_FORWARDED_PREFIXES)]
-    remote = f"cd {shlex.quote(os.getcwd())} && exec env {shlex.join(forwarded + agent)}"
-    ssh = ["ssh", "-o", "BatchMode=yes"]
-    if port:
-        ssh += ["-p", str(port)]
-    return [*ssh, host, remote]
-
-
-def _wait_all(procs: list[subprocess.Popen]) -> int:
-    """Wait for every agent; once one fails, stop the others and return its code."""
-    code = 0
-    try:
-        for proc in procs:
-            status = proc.wait()
-            if status and not code:
-                code = status
-                for other in procs:
-                    if other.poll() is None:
-                        other.terminate()
-    except KeyboardInterrupt:
-        for proc in procs:
-            proc.terminate()
-        raise
-    return code
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--log-dir {path!r} cannot be created: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--log-dir {path!r} is not writable")
+    return path

@@ -10,6 +10,7 @@ from gossamer.ops.collectives import (
     allgather,
     allreduce,
     allreduce_,
+    alltoall,
     barrier,
     broadcast,
     broadcast_,
@@ -27,6 +28,7 @@ from gossamer.transport import Handle
 __all__ = [
     "Handle",
     "allgather",
+    "alltoall",
     "allreduce",
     "allreduce_",
     "barrier",

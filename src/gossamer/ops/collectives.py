@@ -2,10 +2,15 @@
 
 Each checks first (one small allgather of a call header) that every rank called the same
 operation on the same dtype and shape, so a mismatch raises on every rank instead of
-producing garbage or a hang.
+producing garbage or a hang; a rank that rejects its arguments still takes part in that
+allgather, so the others raise :class:`~gossamer.errors.PeerArgumentError` at once.
+Broadcast and allgather move raw bytes, so they take any dtype; allreduce sums in a dtype
+the backend has kernels for (see :func:`reduce_into`) and returns the caller's.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -16,15 +21,19 @@ from gossamer.transport import (
     AVERAGING_DTYPES,
     DTYPES,
     Handle,
+    as_bytes,
     check_flag,
     check_rank,
     check_tensor,
+    from_bytes,
     group_rank,
     group_size,
+    nbytes_of,
 )
 
 __all__ = [
     "allgather",
+    "alltoall",
     "allreduce",
     "allreduce_",
     "barrier",
@@ -33,21 +42,48 @@ __all__ = [
     "reduce_into",
 ]
 
-_SUM_DTYPES = (*AVERAGING_DTYPES, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_SUM_DTYPES = (
+    *AVERAGING_DTYPES,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 _ANY_DTYPE = DTYPES
+# Where a backend lacks a kernel or a sum loses bits, reduce in a wider dtype: half types in
+# float32 (fp16 sums of many ranks overflow), int16 in int32 (gloo and NCCL have no int16;
+# int32 holds the sum of 65536 int16 values, and casting back wraps as int16 arithmetic
+# does), bool in int32 (any True gives True, as torch's bool addition does).
+_WIDE = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.int16: torch.int32,
+    torch.bool: torch.int32,
+}
 
 
 def reduce_into(out: torch.Tensor, average: bool, group: dist.ProcessGroup | None) -> None:
     """Sum (or average) ``out`` over ``group`` in place; runs on the communication thread."""
-    # Half types are summed in float32: fp16 sums of many ranks overflow and lose bits.
-    wide = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
+    wide_dtype = _WIDE.get(out.dtype)
+    wide = out if wide_dtype is None else out.to(wide_dtype)
     with timeline.record(None, "communicating"):
         work = dist.all_reduce(wide, group=group, async_op=True)
         transport.wait_works("allreduce", [(-1, work)])
     if average:
         wide.div_(dist.get_world_size(group))
     if wide is not out:
-        out.copy_(wide)
+        out.copy_(wide if out.dtype != torch.bool else wide != 0)
+
+
+def _reject(op: str, error: Exception, group: dist.ProcessGroup | None) -> None:
+    """Queue this rank's part of a collective it rejected: its peers raise at once."""
+
+    def take_part(reason: str) -> None:
+        transport.check_same_call(op, None, group, rejection=reason)
+
+    transport.reject(op, error, group, take_part)
 
 
 def _buffer(tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
@@ -63,11 +99,14 @@ def _result(tensor: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Ten
 
 
 def _allreduce(tensor, average, group, async_op, inplace) -> torch.Tensor | Handle:
-    # average first: it decides which dtypes are allowed, so a bad one must not be blamed
-    # on the tensor.
-    check_flag(average, "average", "allreduce")
-    check_tensor(tensor, AVERAGING_DTYPES if average else _SUM_DTYPES, "allreduce")
-    group_rank(group)
+    try:
+        check_flag(average, "average", "allreduce")
+        check_tensor(tensor, AVERAGING_DTYPES if average else _SUM_DTYPES, "allreduce")
+        group_rank(group)
+        check_flag(async_op, "async_op", "allreduce")
+    except (TypeError, ValueError) as err:
+        _reject("allreduce", err, group)
+        raise
 
     def body() -> torch.Tensor:
         transport.check_same_call("allreduce", tensor, group, aux=int(average))
@@ -87,8 +126,9 @@ def allreduce(
 ) -> torch.Tensor | Handle:
     r"""Sum or average ``tensor`` over all ranks: :math:`y = \sum_r x_r` (/ n if ``average``).
 
-    Out of place: the input is not modified. Averaging needs a floating dtype (float16 and
-    bfloat16 are accumulated in float32); sums also take integer dtypes.
+    Out of place: the input is not modified. Averaging needs a floating or complex dtype
+    (float16 and bfloat16 are accumulated in float32); sums also take integer dtypes (int16
+    summed in int32, wrapping like int16 arithmetic) and bool (a logical or).
 
     Args:
         tensor (torch.Tensor): this rank's contribution; same dtype and shape on every rank.
@@ -101,6 +141,7 @@ def allreduce(
 
     Raises:
         TypeError: not a tensor, or an unsupported dtype.
+        PeerArgumentError: on the other ranks, when a rank rejected its arguments.
         PeerError: on every rank, when ranks passed different dtypes or shapes.
 
     Example:
@@ -122,14 +163,19 @@ def allreduce_(
 
 
 def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
-    check_tensor(tensor, _ANY_DTYPE, "broadcast")
-    check_rank(root, "root", group_size(group))
+    try:
+        check_tensor(tensor, _ANY_DTYPE, "broadcast")
+        check_rank(root, "root", group_size(group))
+        check_flag(async_op, "async_op", "broadcast")
+    except (TypeError, ValueError) as err:
+        _reject("broadcast", err, group)
+        raise
 
     def body() -> torch.Tensor:
         transport.check_same_call("broadcast", tensor, group, aux=root)
         out = _buffer(tensor, inplace)
         global_root = root if group is None else dist.get_global_rank(group, root)
-        work = dist.broadcast(out, global_root, group=group, async_op=True)
+        work = dist.broadcast(as_bytes(out), global_root, group=group, async_op=True)
         transport.wait_works("broadcast", [(global_root, work)])
         return _result(tensor, out, inplace)
 
@@ -153,7 +199,8 @@ def broadcast(
         async_op (bool): return a :class:`Handle` instead of waiting.
 
     Raises:
-        ValueError: ``root`` out of range. PeerError: ranks disagree on root, dtype or shape.
+        ValueError: ``root`` out of range. PeerError: ranks disagree on root, dtype or shape
+            (PeerArgumentError: another rank rejected its arguments).
     """
     return _broadcast(tensor, root, group, async_op, inplace=False)
 
@@ -178,33 +225,85 @@ def allgather(
     """Concatenate every rank's ``tensor`` along dimension 0, in rank order.
 
     The first dimension may differ between ranks; the other dimensions and the dtype may not.
+    A rank that rejects its arguments makes the others raise ``PeerArgumentError``.
 
     Example:
         >>> gossamer.allgather(torch.full((gossamer.rank() + 1,), gossamer.rank()))
         tensor([0, 1, 1])  # every rank, world of 2
     """
-    check_tensor(tensor, _ANY_DTYPE, "allgather")
-    if tensor.dim() == 0:
-        raise ValueError("allgather: tensor must have at least one dimension; got a scalar")
-    group_rank(group)
+    try:
+        check_tensor(tensor, _ANY_DTYPE, "allgather")
+        if tensor.dim() == 0:
+            raise ValueError("allgather: tensor must have at least one dimension; got a scalar")
+        group_rank(group)
+        check_flag(async_op, "async_op", "allgather")
+    except (TypeError, ValueError) as err:
+        _reject("allgather", err, group)
+        raise
 
     def body() -> torch.Tensor:
         shapes = transport.check_same_call("allgather", tensor, group, any_first_dim=True)
-        longest = max(s[0] for s in shapes)
-        # all_gather needs equal sizes: pad every contribution to the longest first dim.
-        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
-        padded[: tensor.shape[0]] = tensor
+        rest = tuple(tensor.shape[1:])
+        row = nbytes_of(tensor.dtype, math.prod(rest))
+        longest = max(s[0] for s in shapes) * row
+        if longest == 0:
+            return tensor.new_empty((sum(s[0] for s in shapes), *rest))
+        # all_gather needs equal sizes: pad every contribution to the longest, in bytes.
+        padded = torch.zeros(longest, dtype=torch.uint8, device=tensor.device)
+        padded[: tensor.shape[0] * row] = as_bytes(tensor)
         parts = [torch.empty_like(padded) for _ in shapes]
         work = dist.all_gather(parts, padded, group=group, async_op=True)
         transport.wait_works("allgather", [(-1, work)])
-        return torch.cat([p[: s[0]] for p, s in zip(parts, shapes, strict=True)])
+        data = torch.cat([p[: s[0] * row] for p, s in zip(parts, shapes, strict=True)])
+        return from_bytes(data, tensor.dtype, (sum(s[0] for s in shapes), *rest))
 
     return transport.run("allgather", body, async_op)
+
+
+def alltoall(
+    tensor: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    """Split ``tensor`` along dim 0 into ``size`` equal blocks; block k goes to rank k.
+
+    The result holds, in rank order, the block every rank sent to this one (out of place;
+    the same shape and dtype on every rank).
+
+    Raises:
+        ValueError: dim 0 is not a multiple of the group size, or ``tensor`` is a scalar.
+        PeerError: ranks passed different dtypes or shapes.
+
+    Example:
+        >>> gossamer.alltoall(torch.tensor([10, 11]) + 2 * gossamer.rank())
+        tensor([10, 12])  # Rank 0 of 2
+        tensor([11, 13])  # Rank 1
+    """
+    check_tensor(tensor, _ANY_DTYPE, "alltoall")
+    size = group_size(group)
+    if tensor.dim() == 0 or tensor.shape[0] % size:
+        raise ValueError(
+            f"alltoall: tensor dim 0 must be a multiple of the group size {size}; "
+            f"got shape {tuple(tensor.shape)}"
+        )
+    check_flag(async_op, "async_op", "alltoall")
+
+    def body() -> torch.Tensor:
+        transport.check_same_call("alltoall", tensor, group)
+        source = tensor.contiguous()
+        out = torch.empty_like(source)
+        work = dist.all_to_all_single(out, source, group=group, async_op=True)
+        transport.wait_works("alltoall", [(-1, work)])
+        return out
+
+    return transport.run("alltoall", body, async_op)
 
 
 def barrier(*, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle | None:
     """Block until every rank of ``group`` has called ``barrier``."""
     group_rank(group)
+    check_flag(async_op, "async_op", "barrier")
 
     def body() -> None:
         transport.wait_works("barrier", [(-1, dist.barrier(group=group, async_op=True))])

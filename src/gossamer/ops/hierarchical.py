@@ -4,10 +4,16 @@ r"""Machine-level operations: ranks on one machine act as one node of a machine 
 machine (its *leader*) exchange that sum with the leaders of the neighbour machines, and
 shares the combined result inside the machine, so only one message per machine pair crosses
 the network. ``local_allreduce`` reduces inside the machine only.
+
+Failures travel the same way: the machine's ranks check their calls with one header
+allgather (a rank that rejected its arguments takes part in it), the leader tells the other
+leaders with a ``"rejected"`` header, and the result's broadcast ends with a status through
+which a leader passes its own failure to its machine, so no rank waits for the deadline.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -15,13 +21,21 @@ import torch.distributed as dist
 
 from gossamer import context, transport
 from gossamer.combine import is_uniform, scaled_copies, weighted_sum
-from gossamer.errors import TopologyError
+from gossamer.errors import (
+    CommunicationTimeout,
+    GossamerError,
+    PeerArgumentError,
+    PeerError,
+    RankLostError,
+    TopologyError,
+)
 from gossamer.ops.collectives import allreduce, reduce_into
 from gossamer.ops.defaults import get_machine_topology
 from gossamer.profiling import timeline
 from gossamer.transport import (
     AVERAGING_DTYPES,
     Handle,
+    check_flag,
     check_rank_list,
     check_tensor,
     check_weight,
@@ -92,8 +106,69 @@ def hierarchical_neighbor_allreduce(
         TopologyError: ranks are not spread evenly over machines, or no machine topology is
             set and no weights are given.
         ValueError: weights given partly, keys that are not machine neighbours or machines.
+        PeerArgumentError: a rank of this machine, or of a machine this one exchanges with,
+            rejected its arguments (each machine's leader passes it on to its ranks).
+        PeerError: the ranks of this machine called different shapes or dtypes, or the
+            leader's exchange failed (its ranks raise the leader's error).
     """
     op = "hierarchical_neighbor_allreduce"
+    try:
+        sw, weights, dsts = _plan(op, tensor, self_weight, src_machine_weights, dst_machine_weights)
+        check_flag(async_op, "async_op", op)
+    except (TypeError, ValueError) as err:
+        _reject(op, err, tensor, src_machine_weights, dst_machine_weights)
+        raise
+    layout = context.layout()
+    me = layout.machine_rank
+    sources = sorted(weights)
+    uniform = is_uniform(sw, weights, sources)
+    leaders = ([_leader(m) for m in dsts], [_leader(m) for m in sources])
+
+    def body() -> torch.Tensor:
+        local = local_group()
+        x = tensor.contiguous()
+        leader = _leader(me)
+        try:  # the machine's ranks made the same call (or one rejected its arguments)
+            transport.check_same_call(op, x, local)
+        except PeerArgumentError as err:
+            if context.rank() == leader:  # the other machines' leaders learn it from this one
+                reason = str(err).removeprefix(f"{op}: ")
+                transport.exchange_rejected(op, reason, *leaders, None, x.device, err.rank)
+            raise
+        # One buffer: the machine sum, then the result, then a status that the leader
+        # broadcasts with it (its failure, which the machine's other ranks raise too).
+        buf = torch.empty(x.nbytes + _STATUS_BYTES, dtype=torch.uint8, device=x.device)
+        buf[x.nbytes :] = 0
+        machine_sum = transport.from_bytes(buf[: x.nbytes], x.dtype, x.shape)
+        machine_sum.copy_(x)
+        reduce_into(machine_sum, False, local)
+        failure: GossamerError | None = None
+        if context.rank() == leader:
+            try:
+                _combine_machines(op, machine_sum, sw, weights, dsts, uniform, layout.local_size)
+            except GossamerError as err:
+                failure = err
+                buf[x.nbytes :] = _status(err)
+        work = dist.broadcast(buf, leader, group=local, async_op=True)
+        transport.wait_works(op, [(leader, work)])
+        if failure is not None:
+            _forward(op, failure, leader, local)
+            raise failure
+        if buf[x.nbytes :].any():
+            raise _forwarded(op, buf[x.nbytes :], leader, local)
+        return machine_sum
+
+    return transport.run(op, body, async_op)
+
+
+def _plan(
+    op: str,
+    tensor: object,
+    self_weight: object,
+    src_machine_weights: object,
+    dst_machine_weights: object,
+) -> tuple[float, dict[int, float], dict[int, float]]:
+    """Check the arguments: ``(self weight, weights per source machine, dst weights)``."""
     check_tensor(tensor, AVERAGING_DTYPES, op)
     layout = context.layout()
     if not layout.homogeneous:
@@ -115,41 +190,113 @@ def hierarchical_neighbor_allreduce(
         else:
             ranks = check_rank_list(dst_machine_weights, "dst_machine_weights", machines, me)
             dsts = dict.fromkeys(ranks, 1.0)
-    else:
-        graph = get_machine_topology()
-        if graph is None:
-            raise TopologyError(
-                f"{op}: no machine topology is set; call set_machine_topology() or pass "
-                "self_weight, src_machine_weights and dst_machine_weights"
-            )
-        sw, weights = graph.recv_weights(me)
-        dsts = dict.fromkeys(graph.out_neighbors(me), 1.0)
+        return sw, weights, dsts
+    graph = get_machine_topology()
+    if graph is None:
+        raise TopologyError(
+            f"{op}: no machine topology is set; call set_machine_topology() or pass "
+            "self_weight, src_machine_weights and dst_machine_weights"
+        )
+    sw, weights = graph.recv_weights(me)
+    return sw, dict(weights), dict.fromkeys(graph.out_neighbors(me), 1.0)
+
+
+def _combine_machines(
+    op: str,
+    machine_sum: torch.Tensor,
+    sw: float,
+    weights: Mapping[int, float],
+    dsts: Mapping[int, float],
+    uniform: bool,
+    local_size: int,
+) -> None:
+    """The leader's part: exchange machine sums with the leaders, combine into machine_sum."""
     sources = sorted(weights)
-    uniform = is_uniform(sw, weights, sources)
+    received = transport.exchange(
+        op,
+        machine_sum,
+        {_leader(m): t for m, t in scaled_copies(machine_sum, dsts).items()},
+        [_leader(m) for m in sources],
+        None,
+    )
+    by_machine = {m: received[_leader(m)] for m in sources}
+    with timeline.record(None, "combining"):
+        if uniform:  # one division, as BlueFog: (S_m + sum_k S_k) / (L (k + 1))
+            out = weighted_sum(machine_sum, 1.0, by_machine, dict.fromkeys(sources, 1.0))
+            torch.div(out, local_size * (len(sources) + 1), out=machine_sum)
+        else:
+            out = weighted_sum(machine_sum, sw, by_machine, weights)
+            torch.div(out, local_size, out=machine_sum)
 
-    def body() -> torch.Tensor:
-        machine_sum = tensor.contiguous().clone()
-        reduce_into(machine_sum, False, local_group())
-        out = machine_sum
-        leader = _leader(me)
-        if context.rank() == leader:
-            received = transport.exchange(
-                op,
-                machine_sum,
-                {_leader(m): t for m, t in scaled_copies(machine_sum, dsts).items()},
-                [_leader(m) for m in sources],
-                None,
+
+# The leader's status after the result: 0, or the length of a JSON record of its failure,
+# which follows in a second broadcast (only then).
+_STATUS_BYTES = 8
+_KINDS = {
+    cls.__name__: cls for cls in (PeerArgumentError, RankLostError, CommunicationTimeout, PeerError)
+}
+
+
+def _status(err: GossamerError) -> torch.Tensor:
+    size = len(_record(err))
+    return torch.tensor(list(size.to_bytes(_STATUS_BYTES, "little")), dtype=torch.uint8)
+
+
+def _record(err: GossamerError) -> bytes:
+    kind = type(err).__name__ if type(err).__name__ in _KINDS else "PeerError"
+    ranks = getattr(err, "ranks", [])
+    return json.dumps({"kind": kind, "message": str(err), "ranks": ranks}).encode()
+
+
+def _forward(op: str, err: GossamerError, leader: int, local: dist.ProcessGroup) -> None:
+    """The leader sends its failure's record to the machine's other ranks."""
+    record = _record(err)
+    data = torch.frombuffer(bytearray(record), dtype=torch.uint8)
+    work = dist.broadcast(data, leader, group=local, async_op=True)
+    transport.wait_works(op, [(leader, work)])
+
+
+def _forwarded(
+    op: str, status: torch.Tensor, leader: int, local: dist.ProcessGroup
+) -> GossamerError:
+    """The leader's failure, received by another rank of the machine."""
+    size = int.from_bytes(bytes(status.cpu().tolist()), "little")
+    data = torch.empty(size, dtype=torch.uint8)
+    work = dist.broadcast(data, leader, group=local, async_op=True)
+    transport.wait_works(op, [(leader, work)])
+    record = json.loads(bytes(data.tolist()).decode())
+    cls = _KINDS[record["kind"]]
+    if cls in (PeerArgumentError, RankLostError):
+        return cls(record["message"], record["ranks"])
+    return cls(record["message"])
+
+
+def _reject(op: str, error: Exception, tensor: object, srcs: object, dsts: object) -> None:
+    """Queue this rank's part of a call it rejected: the machine's check, then the leaders'."""
+    layout = context.layout()
+    if not layout.homogeneous:
+        return  # every rank rejects this one alike: nobody waits
+    machines, me = layout.machine_size, layout.machine_rank
+    device = tensor.device if isinstance(tensor, torch.Tensor) else None
+    peers: tuple[list[int], list[int]] | None = None
+    try:  # dynamic when destinations are given (as neighbor_allreduce), else the topology
+        if dsts is not None:
+            src_list = list(srcs) if isinstance(srcs, Mapping) else srcs
+            dst_list = list(dsts) if isinstance(dsts, Mapping) else dsts
+            peers = (
+                check_rank_list(src_list, "", machines, me),
+                check_rank_list(dst_list, "", machines, me),
             )
-            by_machine = {m: received[_leader(m)] for m in sources}
-            with timeline.record(None, "combining"):
-                if uniform:  # one division, as BlueFog: (S_m + sum_k S_k) / (L (k + 1))
-                    out = weighted_sum(machine_sum, 1.0, by_machine, dict.fromkeys(sources, 1.0))
-                    out.div_(layout.local_size * (len(sources) + 1))
-                else:
-                    out = weighted_sum(machine_sum, sw, by_machine, weights)
-                    out.div_(layout.local_size)
-        work = dist.broadcast(out, leader, group=local_group(), async_op=True)
-        transport.wait_works(op, [(leader, work)])
-        return out
+        elif get_machine_topology() is not None:
+            graph = get_machine_topology()
+            peers = (list(graph.in_neighbors(me)), list(graph.out_neighbors(me)))
+    except (TypeError, ValueError):
+        peers = None  # the machines it names are unknown: the other leaders time out
 
-    return transport.run(op, body, async_op)
+    def take_part(reason: str) -> None:
+        transport.check_same_call(op, None, local_group(), rejection=reason)
+        if context.rank() == _leader(me) and peers is not None:
+            sources, destinations = ([_leader(m) for m in p] for p in peers)
+            transport.exchange_rejected(op, reason, destinations, sources, None, device)
+
+    transport.reject(op, error, None, take_part)

@@ -8,7 +8,7 @@ lie outside any topology, and each rank's sends must match its peers' receives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,17 +53,34 @@ def _topology_for(topology: Topology | None, group: dist.ProcessGroup | None) ->
 
 
 def _check_graph(
-    op: str, sends: Sequence[int], sources: Sequence[int], group: dist.ProcessGroup | None
+    op: str,
+    sends: Sequence[int],
+    sources: Sequence[int],
+    group: dist.ProcessGroup | None,
+    rejection: str | None = None,
 ) -> None:
-    """Every rank checks, from everyone's send and receive lists, that they match up."""
+    """Every rank checks, from everyone's send and receive lists, that they match up.
+
+    Each row ends with the length of the rank's rejection reason (0: none), so a rank that
+    rejected its arguments (``rejection``) makes every other rank raise instead.
+    """
     size, me = group_size(group), group_rank(group)
-    mine = torch.zeros(2 * size, dtype=torch.uint8)
+    mine = torch.zeros(2 * size + 2, dtype=torch.uint8)
     mine[list(sends)] = 1
     mine[[size + s for s in sources]] = 1
+    length = len(rejection.encode()) if rejection is not None else 0
+    mine[-2:] = torch.tensor([length & 0xFF, length >> 8], dtype=torch.uint8)
     rows = [torch.empty_like(mine) for _ in range(size)]
     transport.wait_works(op, [(-1, dist.all_gather(rows, mine, group=group, async_op=True))])
+    lengths = [int(r[-2]) + (int(r[-1]) << 8) for r in rows]
+    if any(lengths):
+        texts = transport.gather_reasons(op, lengths, rejection, group)
+        if rejection is None:
+            refused = {_global(group, r): texts[r] for r, n in enumerate(lengths) if n}
+            raise transport.peer_argument_error(op, refused)
+        return
     send = torch.stack([r[:size] for r in rows])
-    recv = torch.stack([r[size:] for r in rows])
+    recv = torch.stack([r[size : 2 * size] for r in rows])
     bad = (send != recv.T).nonzero().tolist()
     if bad:
         pairs = ", ".join(
@@ -73,6 +90,104 @@ def _check_graph(
         raise ValueError(
             f"{op}: on rank {me}, sends and receives of the ranks do not match: {pairs}"
         )
+
+
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _peer_list(ranks: object, size: int, me: int) -> list[int]:
+    """``ranks`` (a mapping's keys or a sequence) if every one is a valid peer, else raise."""
+    return check_rank_list(list(ranks) if isinstance(ranks, Mapping) else ranks, "", size, me)
+
+
+def _reject(
+    op: str,
+    error: Exception,
+    tensor: object,
+    group: dist.ProcessGroup | None,
+    check_topology: object,
+    peers: Callable[[], tuple[list[int], list[int]]],
+) -> None:
+    """Queue this rank's part of a neighbour call it rejected (see transport.rejection).
+
+    With ``check_topology`` every rank of the group takes part in the graph check, which
+    carries the reason; otherwise this rank exchanges with the peers ``peers()`` names: the
+    topology's, or explicit peer lists if every entry is valid. When they name none (a bad
+    topology or peer list), it takes no part: a guess could leave a message unmatched.
+    """
+    device = tensor.device if isinstance(tensor, torch.Tensor) else None
+    take_part: Callable[[str], None] | None = None
+    if check_topology is True:
+
+        def take_part(reason: str) -> None:
+            _check_graph(op, [], [], group, rejection=reason)
+
+    else:
+        try:
+            sources, dsts = peers()
+        except (TypeError, ValueError):
+            pass  # the arguments name no peers: they time out, as without this
+        else:
+
+            def take_part(reason: str) -> None:
+                transport.exchange_rejected(op, reason, dsts, sources, group, device)
+
+    transport.reject(op, error, group, take_part)
+
+
+def _named_peers(
+    topology: object, srcs: object, dsts: object, group: dist.ProcessGroup | None, explicit: bool
+) -> Callable[[], tuple[list[int], list[int]]]:
+    """``(sources, destinations)`` a call's arguments name, computed when asked (or raise)."""
+
+    def peers() -> tuple[list[int], list[int]]:
+        size, me = group_size(group), group_rank(group)
+        if explicit:
+            return _peer_list(srcs, size, me), _peer_list(dsts, size, me)
+        graph = _topology_for(topology, group)  # type: ignore[arg-type]
+        return list(graph.in_neighbors(me)), list(graph.out_neighbors(me))
+
+    return peers
+
+
+def _allreduce_plan(
+    op: str,
+    tensor: object,
+    self_weight: object,
+    src_weights: object,
+    dst_weights: object,
+    topology: object,
+    group: dist.ProcessGroup | None,
+) -> tuple[float, dict[int, float], list[int], dict[int, float]]:
+    """Check neighbor_allreduce's arguments: ``(self weight, weights, sources, dsts)``."""
+    check_tensor(tensor, AVERAGING_DTYPES, op)
+    size, me = group_size(group), group_rank(group)
+    if (self_weight is None) != (src_weights is None):
+        raise ValueError(f"{op}: self_weight and src_weights must be given together")
+    if dst_weights is not None and src_weights is None:
+        raise ValueError(f"{op}: dst_weights (dynamic mode) needs self_weight and src_weights")
+    if topology is not None:
+        # Also in dynamic mode, which does not use it: a wrong one must not pass unnoticed.
+        transport.check_topology(topology, group, "topology")
+    if dst_weights is not None:
+        sw = check_weight(self_weight, "self_weight")
+        weights = check_weights(src_weights, "src_weights", size, me)
+        sources = sorted(weights)
+        if isinstance(dst_weights, Mapping):
+            dsts = check_weights(dst_weights, "dst_weights", size, me)
+        else:
+            dsts = dict.fromkeys(check_rank_list(dst_weights, "dst_weights", size, me), 1.0)
+        return sw, weights, sources, dsts
+    graph = _topology_for(topology, group)  # type: ignore[arg-type]
+    sources = list(graph.in_neighbors(me))
+    dsts = dict.fromkeys(graph.out_neighbors(me), 1.0)
+    if src_weights is None:
+        sw, weights = graph.recv_weights(me)
+    else:
+        sw = check_weight(self_weight, "self_weight")
+        weights = check_weights(src_weights, "src_weights", size, me, sources, "in-neighbours")
+    return sw, dict(weights), sources, dsts
 
 
 def neighbor_allreduce(
@@ -103,7 +218,8 @@ def neighbor_allreduce(
     Out of place: the input is not modified. float16 and bfloat16 are combined in float32.
 
     Args:
-        tensor (torch.Tensor): this rank's value (floating point); same shape on every rank.
+        tensor (torch.Tensor): this rank's value (floating point or complex); same shape on
+            every rank.
         self_weight (float, optional): weight of this rank's own value.
         src_weights (Mapping[int, float], optional): receive weight per source rank.
         dst_weights (Mapping[int, float] | Sequence[int], optional): destinations (dynamic).
@@ -128,35 +244,18 @@ def neighbor_allreduce(
         tensor([1.])  # Rank 0, 1 and 2
     """
     op = "neighbor_allreduce"
-    check_tensor(tensor, AVERAGING_DTYPES, op)
-    size, me = group_size(group), group_rank(group)
-    if (self_weight is None) != (src_weights is None):
-        raise ValueError(f"{op}: self_weight and src_weights must be given together")
-    if dst_weights is not None and src_weights is None:
-        raise ValueError(f"{op}: dst_weights (dynamic mode) needs self_weight and src_weights")
-    if topology is not None:
-        # Also in dynamic mode, which does not use it: a wrong one must not pass unnoticed.
-        transport.check_topology(topology, group, "topology")
-    weights: dict[int, float] | None = None
-    if dst_weights is not None:
-        sw = check_weight(self_weight, "self_weight")
-        weights = check_weights(src_weights, "src_weights", size, me)
-        sources = sorted(weights)
-        if isinstance(dst_weights, Mapping):
-            dsts = check_weights(dst_weights, "dst_weights", size, me)
-        else:
-            dsts = dict.fromkeys(check_rank_list(dst_weights, "dst_weights", size, me), 1.0)
-    else:
-        graph = _topology_for(topology, group)
-        sources = list(graph.in_neighbors(me))
-        dsts = dict.fromkeys(graph.out_neighbors(me), 1.0)
-        if src_weights is None:
-            sw, weights = graph.recv_weights(me)
-        else:
-            sw = check_weight(self_weight, "self_weight")
-            weights = check_weights(src_weights, "src_weights", size, me, sources, "in-neighbours")
+    try:
+        sw, weights, sources, dsts = _allreduce_plan(
+            op, tensor, self_weight, src_weights, dst_weights, topology, group
+        )
+        check_flag(check_topology, "check_topology", op)
+        check_flag(async_op, "async_op", op)
+    except (TypeError, ValueError) as err:
+        explicit = dst_weights is not None
+        peers = _named_peers(topology, src_weights, dst_weights, group, explicit)
+        _reject(op, err, tensor, group, check_topology, peers)
+        raise
     uniform = is_uniform(sw, weights, sources)
-    check_flag(check_topology, "check_topology", op)
 
     def body() -> torch.Tensor:
         if check_topology:
@@ -197,22 +296,29 @@ def neighbor_allgather(
         tensor([0, 2])  # Rank 1
     """
     op = "neighbor_allgather"
-    check_tensor(tensor, DTYPES, op)
-    if tensor.dim() == 0:
-        raise ValueError(f"{op}: tensor must have at least one dimension; got a scalar")
-    size, me = group_size(group), group_rank(group)
-    if (src_ranks is None) != (dst_ranks is None):
-        raise ValueError(f"{op}: src_ranks and dst_ranks must be given together")
-    check_flag(check_topology, "check_topology", op)
-    if topology is not None:
-        # Also in dynamic mode, which does not use it: a wrong one must not pass unnoticed.
-        transport.check_topology(topology, group, "topology")
-    if src_ranks is None:
-        graph = _topology_for(topology, group)
-        sources, dsts = list(graph.in_neighbors(me)), list(graph.out_neighbors(me))
-    else:
-        sources = check_rank_list(src_ranks, "src_ranks", size, me)
-        dsts = check_rank_list(dst_ranks, "dst_ranks", size, me)
+    try:
+        check_tensor(tensor, DTYPES, op)
+        if tensor.dim() == 0:
+            raise ValueError(f"{op}: tensor must have at least one dimension; got a scalar")
+        size, me = group_size(group), group_rank(group)
+        if (src_ranks is None) != (dst_ranks is None):
+            raise ValueError(f"{op}: src_ranks and dst_ranks must be given together")
+        check_flag(check_topology, "check_topology", op)
+        check_flag(async_op, "async_op", op)
+        if topology is not None:
+            # Also in dynamic mode, which does not use it: a wrong one must not pass unnoticed.
+            transport.check_topology(topology, group, "topology")
+        if src_ranks is None:
+            graph = _topology_for(topology, group)
+            sources, dsts = list(graph.in_neighbors(me)), list(graph.out_neighbors(me))
+        else:
+            sources = check_rank_list(src_ranks, "src_ranks", size, me)
+            dsts = check_rank_list(dst_ranks, "dst_ranks", size, me)
+    except (TypeError, ValueError) as err:
+        explicit = src_ranks is not None or dst_ranks is not None
+        peers = _named_peers(topology, src_ranks, dst_ranks, group, explicit)
+        _reject(op, err, tensor, group, check_topology, peers)
+        raise
 
     def body() -> torch.Tensor:
         if check_topology:
@@ -243,19 +349,24 @@ def pair_gossip(
     are given (``y`` is the peer's tensor). Out of place.
     """
     op = "pair_gossip"
-    check_tensor(tensor, AVERAGING_DTYPES, op)
-    size, me = group_size(group), group_rank(group)
-    check_rank(target, "target", size)
-    if target == me:
-        raise ValueError(f"{op}: target must be another rank; got this rank ({me})")
-    if (self_weight is None) != (pair_weight is None):
-        raise ValueError(f"{op}: self_weight and pair_weight must be given together")
-    weights = None
-    if pair_weight is not None:
-        sw = check_weight(self_weight, "self_weight")
-        weights = {target: check_weight(pair_weight, "pair_weight")}
-    else:
-        sw = None
+    try:
+        check_tensor(tensor, AVERAGING_DTYPES, op)
+        size, me = group_size(group), group_rank(group)
+        check_rank(target, "target", size)
+        if target == me:
+            raise ValueError(f"{op}: target must be another rank; got this rank ({me})")
+        if (self_weight is None) != (pair_weight is None):
+            raise ValueError(f"{op}: self_weight and pair_weight must be given together")
+        weights = None
+        if pair_weight is not None:
+            sw = check_weight(self_weight, "self_weight")
+            weights = {target: check_weight(pair_weight, "pair_weight")}
+        else:
+            sw = None
+        check_flag(async_op, "async_op", op)
+    except (TypeError, ValueError) as err:
+        _reject(op, err, tensor, group, False, _named_peers(None, [target], [target], group, True))
+        raise
 
     def body() -> torch.Tensor:
         x = tensor.contiguous()

@@ -16,6 +16,7 @@ from torch import nn
 
 from gossamer import context
 from gossamer.communicators import COMMUNICATIONS, Communicator, Pending, make
+from gossamer.compression import Compressor
 from gossamer.fusion import Bucket, bucketize
 from gossamer.topology import Step, Topology
 
@@ -41,6 +42,9 @@ class DecentralizedOptimizer:
             built from the four options below by :func:`gossamer.communicators.make`.
         communication (str): a name of :data:`COMMUNICATIONS` (default
             ``"neighbor_allreduce"``); topology, schedule, global_average_every: its options.
+        compression (str | Compressor, optional): compress what travels: neighbour
+            averaging becomes CHOCO-gossip, ``allreduce`` a compressed allreduce (see
+            :func:`gossamer.communicators.make`); error_feedback: for the latter.
         num_steps_per_communication (int): communicate once every this many steps.
         fusion_threshold_bytes (int | None): bucket size; ``None`` or 0 sends every tensor
             on its own.
@@ -56,6 +60,8 @@ class DecentralizedOptimizer:
         topology: Topology | None = None,
         schedule: Iterator[Step] | None = None,
         global_average_every: int | None = None,
+        compression: str | Compressor | None = None,
+        error_feedback: bool | None = None,
         num_steps_per_communication: int = 1,
         fusion_threshold_bytes: int | None = DEFAULT_FUSION_BYTES,
     ) -> None:
@@ -94,9 +100,15 @@ class DecentralizedOptimizer:
         # Reverse registration order approximates the order gradients become ready.
         self.params = list(reversed(params))
         self.buckets: list[Bucket] = bucketize(self.params, fusion_threshold_bytes)
-        self.communicator = _communicator(
-            communicator, communication, topology, schedule, global_average_every
-        )
+        options = {
+            "communication": communication,
+            "topology": topology,
+            "schedule": schedule,
+            "global_average_every": global_average_every,
+            "compression": compression,
+            "error_feedback": error_feedback,
+        }
+        self.communicator = _communicator(communicator, options)
         self.communicator.bind(self.buckets)
         self._hooks: list = []
         self.num_steps_per_communication = num_steps_per_communication
@@ -219,32 +231,16 @@ class DecentralizedOptimizer:
         )
 
 
-def _communicator(
-    communicator: object,
-    communication: str | None,
-    topology: Topology | None,
-    schedule: Iterator[Step] | None,
-    global_average_every: int | None,
-) -> Communicator:
+def _communicator(communicator: object, options: dict) -> Communicator:
     if communicator is None:
-        return make(
-            # Only None means the default: "" is an unknown name, not a request for it.
-            "neighbor_allreduce" if communication is None else communication,
-            topology=topology,
-            schedule=schedule,
-            global_average_every=global_average_every,
-        )
+        # Only None means the default: "" is an unknown name, not a request for it.
+        name = options.pop("communication")
+        return make("neighbor_allreduce" if name is None else name, **options)
     if not isinstance(communicator, Communicator):
         raise TypeError(
             f"communicator must be a gossamer.communicators.Communicator; got {communicator!r}"
         )
-    given = {
-        "communication": communication,
-        "topology": topology,
-        "schedule": schedule,
-        "global_average_every": global_average_every,
-    }
-    clash = [name for name, value in given.items() if value is not None]
+    clash = [name for name, value in options.items() if value is not None]
     if clash:
         raise ValueError(
             f"give either communicator= or {', '.join(clash)}, not both: {clash[0]} is an "

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import torch
 
+from gossamer.communicators import Communicator
+from gossamer.compression import Compressor
 from gossamer.optim.base import DecentralizedOptimizer
 
 __all__ = ["GradientAllreduce"]
@@ -21,6 +23,9 @@ __all__ = ["GradientAllreduce"]
 class GradientAllreduce(DecentralizedOptimizer):
     """Average the gradients over all ranks during the backward pass, then step.
 
+    ``compression="topk:0.01"`` (or any compressor) averages through a
+    :class:`~gossamer.communicators.CompressedAllreduce`, with error feedback by default for
+    biased compressors; ``communicator=`` takes any communicator object.
     ``num_steps_per_communication=k`` accumulates the gradients of ``k`` backward passes
     locally and averages them on the ``k``-th (call :meth:`step` after it); :meth:`no_sync`
     skips communication for the backward passes inside it, as torch DDP's does. Parameters
@@ -37,13 +42,19 @@ class GradientAllreduce(DecentralizedOptimizer):
         optimizer: torch.optim.Optimizer,
         model,
         *,
+        communicator: Communicator | None = None,
+        compression: str | Compressor | None = None,
+        error_feedback: bool | None = None,
         num_steps_per_communication: int = 1,
         fusion_threshold_bytes=8 * 2**20,
     ) -> None:
         super().__init__(
             optimizer,
             model,
-            communication="allreduce",
+            communicator=communicator,
+            communication=None if communicator is not None else "allreduce",
+            compression=compression,
+            error_feedback=error_feedback,
             num_steps_per_communication=num_steps_per_communication,
             fusion_threshold_bytes=fusion_threshold_bytes,
         )

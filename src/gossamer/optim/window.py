@@ -44,6 +44,13 @@ class _OverWindows:
         communication: str | None = None,
         **kwargs,
     ) -> None:
+        if kwargs.get("compression") not in (None, "none"):
+            raise ValueError(
+                f"{type(self).__name__}: compression={kwargs['compression']!r} is not built for "
+                "window optimizers yet (compressed window deltas); use AdaptWithCombine or "
+                "AdaptThenCombine with compression= (CHOCO-gossip)"
+            )
+        kwargs.pop("compression", None)
         if communication not in (None, "neighbor_allreduce"):
             raise ValueError(
                 f"{type(self).__name__} communicates through windows; communication must be "

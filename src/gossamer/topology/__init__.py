@@ -21,6 +21,8 @@ from gossamer.topology.graphs import (
     symmetric_exponential,
 )
 from gossamer.topology.skew import PeerClumping, peer_clumping
+from gossamer.topology.skip import SKIP_MODES, skip_dead
+from gossamer.topology.survivors import WEIGHT_RULES, connected_components
 from gossamer.topology.topology import Topology
 from gossamer.topology.weights import (
     is_column_stochastic,
@@ -37,8 +39,11 @@ from gossamer.topology.weights import (
 __all__ = [
     "DCliques",
     "PeerClumping",
+    "SKIP_MODES",
     "Step",
     "Topology",
+    "WEIGHT_RULES",
+    "connected_components",
     "d_cliques",
     "draw",
     "exponential",
@@ -58,6 +63,7 @@ __all__ = [
     "one_peer_exponential",
     "peer_clumping",
     "ring",
+    "skip_dead",
     "spectral_gap",
     "star",
     "symmetric_exponential",

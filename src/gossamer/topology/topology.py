@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,6 +218,67 @@ class Topology:
         destinations = self.out_neighbors(rank)
         row = self.weights[rank, :]
         return float(row[rank]), {dst: float(row[dst]) for dst in destinations}
+
+    def without(
+        self, ranks: int | Iterable[int], *, rule: str = "auto", connect: bool = False
+    ) -> Topology:
+        r"""Return the topology among the survivors when ``ranks`` are dead.
+
+        Ranks keep their numbers, so that running ranks can keep using theirs: the result
+        has the same size, every dead rank is isolated (``W[d, d] = 1``, no edges), and the
+        survivors' block :math:`S` (the survivors' rows and columns, dead edges gone) is
+        re-weighted by ``rule``:
+
+        - ``"metropolis_hastings"`` (undirected graphs):
+          :math:`S_{ij} = 1/(1 + \max(d_i, d_j))` on each surviving edge, with :math:`d_i`
+          the degree among survivors, and :math:`S_{ii} = 1 - \sum_{j \ne i} S_{ij}`:
+          symmetric, doubly stochastic.
+        - ``"sinkhorn"`` (directed graphs): :math:`S = D_1 S^0 D_2`, the Sinkhorn-Knopp
+          scaling of the surviving weights: doubly stochastic with the same edges (it exists
+          when every survivor has a self weight and the survivors are strongly connected).
+        - ``"receive"``: every survivor's receive weights (its column) scaled to sum 1:
+          column stochastic, for consensus by convex combinations.
+        - ``"send"``: every survivor's send weights (its row) scaled to sum 1: row
+          stochastic, mass-conserving, for push-sum.
+        - ``"auto"``: the rule that keeps what the original was: doubly stochastic and
+          undirected -> ``"metropolis_hastings"``; doubly stochastic and directed ->
+          ``"sinkhorn"``; else column stochastic -> ``"receive"``; else row stochastic ->
+          ``"send"``.
+
+        The survivors' graph must be connected (strongly, for a directed graph): otherwise
+        a ``TopologyError`` names its components, or, with ``connect=True``, both directions
+        of the ring through the survivors in ascending rank order are added where missing
+        (with the original's smallest positive off-diagonal weight) before re-weighting.
+
+        Args:
+            ranks: The dead ranks: one rank or an iterable of ranks in ``[0, size)``. None
+                (an empty iterable) returns this topology unchanged.
+            rule: One of ``"auto"``, ``"metropolis_hastings"``, ``"sinkhorn"``,
+                ``"receive"``, ``"send"``.
+            connect: Add a ring through the survivors if they are not connected.
+
+        Returns:
+            The topology named ``"<name>.without([dead ranks])"``.
+
+        Raises:
+            TypeError: ``ranks`` is not a rank or an iterable of ints, ``rule`` is not a
+                ``str`` or ``connect`` not a ``bool``.
+            ValueError: a rank is out of range or repeated, every rank is dead, or ``rule``
+                is unknown.
+            gossamer.errors.TopologyError: the survivors are not connected (without
+                ``connect``); ``"metropolis_hastings"`` on a directed graph; ``"auto"`` on a
+                matrix that is neither row nor column stochastic; ``"sinkhorn"`` finds no
+                doubly stochastic scaling.
+
+        Example:
+            >>> from gossamer.topology import ring
+            >>> ring(4).without([3]).recv_weights(0)
+            (0.6666666666666667, {1: 0.3333333333333333})
+        """
+        # survivors imports this module (and weights), so it is imported when first needed.
+        from gossamer.topology.survivors import without
+
+        return without(self, ranks, rule=rule, connect=connect)
 
     def to_networkx(self) -> nx.DiGraph:
         """Return the graph as an ``nx.DiGraph`` on nodes ``0 .. size-1``.

@@ -1,14 +1,18 @@
 """The transport: how gossamer's operations and windows reach other ranks.
 
 One communication thread per process (:mod:`~gossamer.transport.engine`), one call header
-(:mod:`~gossamer.transport.header`), point-to-point exchanges in chunks with same-call
-checks (:mod:`~gossamer.transport.p2p`), errors that name the peer
-(:mod:`~gossamer.transport.failures`), and argument checks at the public boundary
-(:mod:`~gossamer.transport.checks`). ``gossamer.ops`` and ``gossamer.windows`` stand on it.
+(:mod:`~gossamer.transport.header`), payloads as raw bytes
+(:mod:`~gossamer.transport.payload`), point-to-point exchanges in chunks with same-call
+checks (:mod:`~gossamer.transport.p2p`), errors that name the peer or the dead rank
+(:mod:`~gossamer.transport.failures`, :mod:`~gossamer.transport.liveness`), argument
+checks at the public boundary (:mod:`~gossamer.transport.checks`), and rejected calls that
+peers learn of at once (:mod:`~gossamer.transport.rejection`). ``gossamer.ops`` and
+``gossamer.windows`` stand on it.
 """
 
 from __future__ import annotations
 
+from gossamer import context
 from gossamer.transport.checks import (
     AVERAGING_DTYPES,
     check_flag,
@@ -25,7 +29,14 @@ from gossamer.transport.engine import run, submit
 from gossamer.transport.failures import wait_works
 from gossamer.transport.handle import Handle
 from gossamer.transport.header import DTYPES, HEADER_LEN, OPS, Header
-from gossamer.transport.p2p import check_same_call, exchange
+from gossamer.transport.liveness import get_liveness
+from gossamer.transport.p2p import check_same_call, exchange, exchange_rejected
+from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
+from gossamer.transport.rejection import gather_reasons, peer_argument_error, reject
+
+# Every rank's heartbeat starts at init, so a rank that dies before its first operation is
+# still seen to die.
+context.on_init(get_liveness)
 
 __all__ = [
     "AVERAGING_DTYPES",
@@ -34,6 +45,7 @@ __all__ = [
     "OPS",
     "Handle",
     "Header",
+    "as_bytes",
     "check_flag",
     "check_rank",
     "check_rank_list",
@@ -43,8 +55,15 @@ __all__ = [
     "check_weight",
     "check_weights",
     "exchange",
+    "exchange_rejected",
+    "from_bytes",
+    "gather_reasons",
+    "get_liveness",
     "group_rank",
     "group_size",
+    "nbytes_of",
+    "peer_argument_error",
+    "reject",
     "run",
     "submit",
     "wait_works",

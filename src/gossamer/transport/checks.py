@@ -25,7 +25,15 @@ __all__ = [
     "group_size",
 ]
 
-AVERAGING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Dtypes a weighted average is defined for (the weights are real numbers).
+AVERAGING_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+)
 
 
 def check_tensor(tensor: object, dtypes: Collection[torch.dtype], op: str) -> torch.Tensor:

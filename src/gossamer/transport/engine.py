@@ -3,6 +3,14 @@
 Every gossamer operation, blocking or not, runs on this thread, so operations are issued to
 torch.distributed in the same order on every rank even while asynchronous ones are pending,
 and a multi-phase operation (header, then data) progresses without the caller.
+
+The thread waits on gloo directly (no hand-off: that would cost tens of microseconds per
+wait), and gloo's waits cannot be interrupted. So the heartbeat thread
+(:mod:`~gossamer.transport.liveness`) looks at the operation in progress after each beat:
+when it has run for :data:`~gossamer.transport.liveness.STALL_S` and a rank is found lost,
+the operation and every one queued behind it fail with
+:class:`~gossamer.errors.RankLostError` at once, while this thread stays in gloo's wait
+until gloo gives up (the peer's connection closes, or the deadline passes).
 """
 
 from __future__ import annotations
@@ -10,15 +18,29 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from gossamer import context
+from gossamer.errors import GossamerError
 from gossamer.profiling import timeline
-from gossamer.transport.checks import check_flag
+from gossamer.transport.failures import is_backend_error, lost_error, translate
 from gossamer.transport.handle import Handle
+from gossamer.transport.liveness import STALL_S, Liveness, get_liveness
 
 __all__ = ["Engine", "run", "submit"]
+
+
+def _settle(future: concurrent.futures.Future, result: Any = None, error: Any = None) -> None:
+    """Complete ``future`` unless the stall watchdog already failed it."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 class Engine:
@@ -26,8 +48,14 @@ class Engine:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[concurrent.futures.Future, str] = {}  # queued or running: op
+        self._current: tuple[concurrent.futures.Future, float] | None = None
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="gossamer-comm", daemon=True)
         self._thread.start()
+        live = get_liveness()
+        if live is not None:
+            live.on_beat(self.fail_if_stalled)
 
     def _serve(self) -> None:
         while True:
@@ -35,37 +63,103 @@ class Engine:
             if job is None:
                 return
             future, fn = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as err:  # handed to the caller, who re-raises it
-                    future.set_exception(err)
+            try:
+                skip = future.done() or not future.set_running_or_notify_cancel()
+            except RuntimeError:
+                skip = True
+            if skip:  # cancelled, or failed by the watchdog while queued
+                with self._lock:
+                    self._pending.pop(future, None)
+                continue
+            self._current = (future, time.monotonic())
+            try:
+                _settle(future, result=fn())
+            except BaseException as err:  # handed to the caller, who re-raises it
+                _settle(future, error=err)
+            finally:
+                self._current = None
+                with self._lock:
+                    self._pending.pop(future, None)
 
     def submit(self, op: str, fn: Callable[[], Any], deadline_s: float) -> Handle:
-        """Queue ``fn``; return a handle to its result."""
+        """Queue ``fn``; return a handle to its result.
+
+        Called from a job already running on the thread (an operation made of operations,
+        such as a compressed allreduce), ``fn`` runs at once, in place: queueing it behind
+        the running job would wait for itself.
+        """
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((future, timeline.traced(op, fn)))  # "queued" until the thread runs it
+        if threading.current_thread() is self._thread:
+            try:
+                future.set_result(fn())
+            except BaseException as err:  # handed to the caller, who re-raises it
+                future.set_exception(err)
+        else:
+            with self._lock:
+                self._pending[future] = op
+            self._jobs.put((future, timeline.traced(op, fn)))  # "queued" until it runs
         return Handle(future, op, deadline_s)
 
+    def fail_if_stalled(self, live: Liveness) -> None:
+        """If the running operation stalled and a rank is lost, fail it and those queued."""
+        current = self._current
+        if current is None or time.monotonic() - current[1] < STALL_S:
+            return
+        lost = live.check()
+        if not lost:
+            return
+        with self._lock:
+            pending = list(self._pending.items())
+        for future, op in pending:
+            _settle(future, error=lost_error(op, lost))
+
     def close(self) -> None:
-        """Let queued operations finish, then end the thread."""
+        """Let queued operations finish, then end the thread.
+
+        The thread may be inside a wait abandoned after a rank was lost: it is joined anyway
+        (gloo ends that wait by the deadline at the latest), since an interpreter that exits
+        while a thread is inside gloo's wait aborts the process when the wait returns.
+        """
         self._jobs.put(None)
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=context.timeout())
+            self._thread.join(timeout=context.timeout() + 5.0)
+
+
+def _guarded(op: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn``, failing at once after a rank was lost, with backend errors translated.
+
+    Posting work (``batch_isend_irecv``, ``all_reduce``) raises gloo's error at once when a
+    connection already broke, before any wait could translate it.
+    """
+
+    def guarded() -> Any:
+        live = get_liveness()
+        if live is not None and live.lost:
+            raise lost_error(op, live.lost)
+        try:
+            return fn()
+        except RuntimeError as err:
+            if isinstance(err, GossamerError) or not is_backend_error(err):
+                raise
+            raise translate(op, -1, err, live) from err
+
+    return guarded
 
 
 def submit(op: str, fn: Callable[[], Any]) -> Handle:
-    """Queue ``fn`` on this process's communication thread; return a handle to its result."""
+    """Queue ``fn`` on this process's communication thread; return a handle to its result.
+
+    Raises:
+        RankLostError: a rank was lost earlier; nothing is queued.
+    """
     runtime = context.runtime()
-    return runtime.component("engine", Engine).submit(op, fn, runtime.timeout)
+    live = get_liveness()
+    if live is not None and live.lost:
+        raise lost_error(op, live.lost)
+    return runtime.component("engine", Engine).submit(op, _guarded(op, fn), runtime.timeout)
 
 
 def run(op: str, fn: Callable[[], Any], async_op: bool) -> Any:
-    """Run ``fn`` on the communication thread: a handle if ``async_op``, else the result.
-
-    Raises:
-        TypeError: ``async_op`` is not a bool (checked before anything is queued).
-    """
-    check_flag(async_op, "async_op", op)
+    """Run ``fn`` on the communication thread: a handle if ``async_op``, else the result."""
     handle = submit(op, fn)
     return handle if async_op else handle.wait()

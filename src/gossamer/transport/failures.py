@@ -1,40 +1,98 @@
-"""Waiting on torch.distributed work with errors that name the peer and the operation."""
+"""Waiting on torch.distributed work, with errors that name the operation and the peer.
+
+gloo's errors are translated: a connection closed or reset becomes
+:class:`~gossamer.errors.RankLostError` naming the dead rank when the heartbeats
+(:mod:`~gossamer.transport.liveness`) show one died (gloo's text names an address, often a
+survivor's), a timeout :class:`~gossamer.errors.CommunicationTimeout`, anything else
+:class:`~gossamer.errors.PeerError`. A wait that stalls because a rank died without this
+rank seeing an error is failed by the engine's watchdog (:mod:`~gossamer.transport.engine`).
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch.distributed as dist
 
 from gossamer import context
-from gossamer.errors import CommunicationTimeout, PeerError
+from gossamer.errors import CommunicationTimeout, PeerError, RankLostError
+from gossamer.transport.liveness import BEAT_S, DEAD_AFTER_S, Liveness, get_liveness
 
-__all__ = ["wait_works"]
+__all__ = ["is_backend_error", "lost_error", "translate", "wait_works"]
+
+_POLL_S = 0.25  # how often a failed wait reads the heartbeats
+_CONNECTION = ("closed", "reset", "Broken pipe", "Connection", "pair closure")
+
+
+def lost_error(op: str, ranks: Iterable[int]) -> RankLostError:
+    """The error of an operation that cannot complete because ``ranks`` are lost."""
+    ranks = sorted(ranks)
+    who = f"rank {ranks[0]} was" if len(ranks) == 1 else f"ranks {ranks} were"
+    return RankLostError(
+        f"{op}: {who} lost (its process died or left the job); rank {context.rank()} "
+        "cannot use the process group any more",
+        ranks,
+    )
+
+
+def is_backend_error(err: BaseException) -> bool:
+    """True for an error of gloo or NCCL (a transfer or connection failed, a timeout)."""
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(
+        k in text for k in ("gloo", "NCCL", "Timed out", *_CONNECTION)
+    )
+
+
+def _find_lost(live: Liveness, patient: bool) -> set[int]:
+    """Lost ranks; when ``patient``, read the heartbeats long enough to see a death."""
+    deadline = time.monotonic() + (DEAD_AFTER_S + 2 * BEAT_S if patient else 0.0)
+    while True:
+        lost = live.check()
+        if lost or time.monotonic() >= deadline:
+            return lost
+        time.sleep(_POLL_S)
+
+
+def translate(op: str, peer: int, err: BaseException, live: Liveness | None) -> Exception:
+    """The gossamer error for backend error ``err`` of ``op`` (``peer``: -1 for all ranks)."""
+    text = str(err)
+    timed_out = "Timed out" in text or "timeout" in text.lower()
+    broken = any(k in text for k in _CONNECTION)
+    if live is not None and (timed_out or broken):
+        lost = _find_lost(live, patient=broken and not timed_out)
+        if lost:
+            return lost_error(op, lost)
+    who = "a peer" if peer < 0 else f"rank {peer}"
+    if timed_out:
+        waited = "all ranks" if peer < 0 else who
+        return CommunicationTimeout(
+            f"{op}: rank {context.rank()} timed out after {context.timeout():g} s "
+            f"waiting for {waited}"
+        )
+    if broken:
+        return PeerError(
+            f"{op}: {who} closed its connection to rank {context.rank()}; "
+            "did that rank crash or exit?"
+        )
+    return PeerError(f"{op}: communication with {who} failed: {text}")
 
 
 def wait_works(op: str, works: Iterable[tuple[int, dist.Work]]) -> None:
-    """Wait for each ``(peer, work)``; turn gloo's errors into errors that name the peer.
+    """Wait for each ``(peer, work)``; turn backend errors into errors that name the peer.
 
     ``peer`` is a global rank, or -1 for a collective over all ranks.
 
     Raises:
+        RankLostError: a rank died or left (now or earlier); the group is unusable.
         CommunicationTimeout: the backend's deadline passed.
         PeerError: a peer closed its connection or the transfer failed.
     """
+    live = get_liveness()
+    if live is not None and live.lost:
+        raise lost_error(op, live.lost)
     for peer, work in works:
         try:
             work.wait()
         except RuntimeError as err:
-            text = str(err)
-            who = "all ranks" if peer < 0 else f"rank {peer}"
-            if "Timed out" in text or "timeout" in text.lower():
-                raise CommunicationTimeout(
-                    f"{op}: rank {context.rank()} timed out after {context.timeout():g} s "
-                    f"waiting for {who}"
-                ) from err
-            if "closed" in text or "reset" in text or "Broken pipe" in text:
-                raise PeerError(
-                    f"{op}: {who} closed its connection to rank {context.rank()}; "
-                    "did that rank crash or exit?"
-                ) from err
-            raise PeerError(f"{op}: communication with {who} failed: {text}") from err
+            raise translate(op, peer, err, live) from err

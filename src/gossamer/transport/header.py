@@ -35,6 +35,12 @@ DTYPES = (
     torch.int8,
     torch.uint8,
     torch.bool,
+    # Appended, so the indices above keep their meaning on the wire.
+    torch.complex64,
+    torch.complex128,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
 )
 OPS = (
     "allreduce",
@@ -56,6 +62,10 @@ OPS = (
     "window.grant",
     "window.unlock",
     "window.stop",
+    "alltoall",
+    "compressed_gossip",
+    # A rank that rejected its arguments sends this instead of its call (transport.rejection).
+    "rejected",
 )
 
 

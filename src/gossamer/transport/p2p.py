@@ -4,7 +4,8 @@ Before its data, every neighbour exchange sends a :class:`~gossamer.transport.he
 (operation, dtype, shape). The receiver checks it against its own call and sizes its buffer
 from it, so a peer that called another operation or passed another shape produces an error
 naming both sides, not garbage or a hang. Headers and data travel on different tags, so a
-stray data message can never be taken for a header.
+stray data message can never be taken for a header. Data travels as raw bytes
+(:mod:`~gossamer.transport.payload`), so every dtype works on every backend.
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ from gossamer.errors import PeerError
 from gossamer.profiling import timeline
 from gossamer.transport.failures import wait_works
 from gossamer.transport.header import HEADER_LEN, Header
+from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
+from gossamer.transport.rejection import (
+    REJECTED,
+    gather_reasons,
+    peer_argument_error,
+    rejected_header,
+)
 
-__all__ = ["check_same_call", "exchange"]
+__all__ = ["check_same_call", "exchange", "exchange_rejected"]
 
 _HEADER_TAG = 0x6F01
 _DATA_TAG = 0x6F02  # data chunks use 0x6F02 .. 0x6F02 + _MAX_CHUNKS - 1
@@ -40,7 +48,7 @@ class Buffers:
 
     A fresh multi-megabyte allocation costs page faults on every call. Operations run one
     at a time on the communication thread and consume their buffers before they return, so
-    one buffer per (peer, dtype, size) suffices.
+    one buffer per (peer, size in bytes) suffices. Buffers are bytes, viewed as the dtype.
     """
 
     def __init__(self, limit_bytes: int = 512 * 2**20) -> None:
@@ -48,18 +56,18 @@ class Buffers:
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     def get(self, head: Header, device: torch.device, peer: int) -> torch.Tensor:
-        """A tensor of ``head``'s dtype and shape for what ``peer`` sends."""
-        numel = head.numel
-        key = (peer, head.dtype, numel, device)
+        """A flat ``uint8`` tensor of the size of what ``peer`` sends, as ``head`` describes."""
+        size = nbytes_of(head.dtype, head.numel)
+        key = (peer, size, device)
         flat = self._cache.pop(key, None)
         if flat is None:
-            flat = torch.empty(numel, dtype=head.dtype, device=device)
+            flat = torch.empty(size, dtype=torch.uint8, device=device)
         self._cache[key] = flat
         while (
             sum(t.nbytes for t in self._cache.values()) > self.limit_bytes and len(self._cache) > 1
         ):
             self._cache.popitem(last=False)
-        return flat.view(head.shape)
+        return flat
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -67,16 +75,16 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
 
 
 def _chunks(tensor: torch.Tensor, remote: bool) -> list[torch.Tensor]:
-    """``tensor`` as consecutive pieces of about ``_CHUNK_BYTES`` (views where it can be).
+    """``tensor`` (flat bytes) as consecutive pieces of about ``_CHUNK_BYTES`` (views).
 
     Only messages to or from another machine are split: on one machine the pieces cost
-    more than they gain. Both sides split by element count and by machine alone, so a
+    more than they gain. Both sides split by byte count and by machine alone, so a
     sender's pieces match its receiver's.
     """
     if not remote or tensor.device.type != "cpu" or tensor.nbytes <= _CHUNK_BYTES:
         return [tensor]  # NCCL coalesces a batch itself
     pieces = min(_MAX_CHUNKS, math.ceil(tensor.nbytes / _CHUNK_BYTES))
-    return list(tensor.reshape(-1).tensor_split(pieces))
+    return list(tensor.tensor_split(pieces))
 
 
 def _p2p(
@@ -86,7 +94,7 @@ def _p2p(
     group: dist.ProcessGroup | None,
     tag: int,
 ) -> None:
-    """Post every send and receive at once, in chunks with tags ``tag``, ``tag + 1``, ..."""
+    """Post every send and receive (flat bytes) at once, in chunks with tags ``tag``, ..."""
     layout = context.layout()
 
     def pieces(peer: int, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -108,6 +116,40 @@ def _p2p(
     wait_works(op, [(_global(group, p), w) for p, w in zip(peers, works, strict=True)])
 
 
+def _headers_then_data(
+    op: str,
+    mine: Header,
+    sends: Mapping[int, torch.Tensor],
+    sources: Sequence[int],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> tuple[dict[int, Header], dict[int, torch.Tensor]]:
+    """Send ``mine`` then ``sends[d]`` to every ``d``; receive both from every source.
+
+    Returns the sources' headers and their payloads (flat bytes, sized from the headers).
+    """
+    heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
+    buffers = context.runtime().component("transport.buffers", Buffers)
+    header_bytes = as_bytes(mine.encode())
+    with timeline.record(op, "communicating"):
+        _p2p(
+            op,
+            [(d, header_bytes) for d in sends],
+            [(s, as_bytes(h)) for s, h in heads.items()],
+            group,
+            _HEADER_TAG,
+        )
+        theirs = {s: Header.decode(h) for s, h in heads.items()}
+        raw = {s: buffers.get(h, device, s) for s, h in theirs.items()}
+        payloads = [(d, as_bytes(t)) for d, t in sends.items()]
+        _p2p(op, payloads, list(raw.items()), group, _DATA_TAG)
+    return theirs, raw
+
+
+def _text(data: torch.Tensor) -> str:
+    return bytes(data.cpu().tolist()).decode(errors="replace")
+
+
 def exchange(
     op: str,
     tensor: torch.Tensor,
@@ -116,55 +158,91 @@ def exchange(
     group: dist.ProcessGroup | None = None,
     *,
     any_first_dim: bool = False,
+    codec: int = 0,
 ) -> dict[int, torch.Tensor]:
     """Send ``sends[d]`` to every ``d`` and receive one tensor from every rank in ``sources``.
 
     Ranks are ranks of ``group``. ``tensor`` is this rank's argument, against which the
-    peers' headers are checked (all dims, or all but the first with ``any_first_dim``).
+    peers' headers are checked (all dims, or all but the first with ``any_first_dim``),
+    and the payload codec: a compressed payload names its compressor with ``codec``.
 
     The returned tensors are reused by the next exchange: consume them before returning.
 
     Raises:
+        PeerArgumentError: a source rejected its arguments (see
+            :mod:`~gossamer.transport.rejection`); raised after every transfer completed.
         PeerError: a source called another operation, dtype or shape. The data is still
             received (and dropped) first, so the sender does not hang.
     """
-    mine = Header.of(op, tensor)
-    encoded = mine.encode()
-    heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
-    buffers = context.runtime().component("transport.buffers", Buffers)
-    with timeline.record(op, "communicating"):
-        _p2p(op, [(d, encoded) for d in sends], list(heads.items()), group, _HEADER_TAG)
-        theirs = {s: Header.decode(h) for s, h in heads.items()}
-        received = {s: buffers.get(h, tensor.device, s) for s, h in theirs.items()}
-        _p2p(op, list(sends.items()), list(received.items()), group, _DATA_TAG)
+    mine = Header.of(op, tensor, codec=codec)
+    theirs, raw = _headers_then_data(op, mine, sends, sources, group, tensor.device)
+    refused = {h.slot: _text(raw[s]) for s, h in theirs.items() if h.op == REJECTED}
+    if refused:
+        raise peer_argument_error(op, refused)
     wrong = [s for s, h in theirs.items() if not mine.matches(h, any_first_dim)]
     if wrong:
         text = "; ".join(f"rank {_global(group, s)} called {theirs[s].describe()}" for s in wrong)
         raise PeerError(
             f"{op}: mismatched call: rank {context.rank()} called {mine.describe()}, but {text}"
         )
-    return received
+    return {s: from_bytes(raw[s], h.dtype, h.shape) for s, h in theirs.items()}
+
+
+def exchange_rejected(
+    op: str,
+    reason: str,
+    dsts: Sequence[int],
+    sources: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+    origin: int | None = None,
+) -> None:
+    """This rank's part of an :func:`exchange` whose arguments it (or ``origin``) rejected.
+
+    Sends a ``"rejected"`` header and ``reason`` to ``dsts`` (group ranks), and receives and
+    drops what ``sources`` send, so that no peer's message goes unmatched.
+    """
+    device = device if device is not None else context.device()
+    data = torch.frombuffer(bytearray(reason.encode()), dtype=torch.uint8).to(device)
+    _headers_then_data(
+        op, rejected_header(op, reason, origin), dict.fromkeys(dsts, data), sources, group, device
+    )
 
 
 def check_same_call(
     op: str,
-    tensor: torch.Tensor,
+    tensor: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     aux: int = 0,
     *,
     any_first_dim: bool = False,
+    rejection: str | None = None,
 ) -> list[tuple[int, ...]]:
     """Check that every rank of ``group`` made the same call; return every rank's shape.
 
+    With ``rejection`` (a reason), this rank takes part in a call whose arguments it
+    rejected: ``tensor`` is ignored, every other rank raises, and this one returns ``[]``.
+
     Raises:
+        PeerArgumentError: on every other rank, when a rank rejected its arguments.
         PeerError: on every rank alike, naming the ranks whose call differs from rank 0's.
     """
-    mine = Header.of(op, tensor, aux=aux).encode()
+    if rejection is not None:
+        mine = rejected_header(op, rejection).encode()
+    else:
+        mine = Header.of(op, tensor, aux=aux).encode()
     size = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     with timeline.record(op, "communicating"):
         wait_works(op, [(-1, dist.all_gather(gathered, mine, group=group, async_op=True))])
     heads = [Header.decode(h) for h in gathered]
+    if any(h.op == REJECTED for h in heads):
+        lengths = [h.numel if h.op == REJECTED else 0 for h in heads]
+        texts = gather_reasons(op, lengths, rejection, group)
+        if rejection is not None:
+            return []
+        refused = {h.slot: texts[r] for r, h in enumerate(heads) if h.op == REJECTED}
+        raise peer_argument_error(op, refused)
     first = heads[0]
     wrong = [r for r, h in enumerate(heads) if not first.matches(h, any_first_dim)]
     if wrong:

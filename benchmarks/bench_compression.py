@@ -1,0 +1,125 @@
+"""Payload size, speed and error of every compressor on one CPU thread.
+
+    python benchmarks/bench_compression.py [--numel 5260000] [--preset smoke] [--out results]
+
+For one float32 tensor of ``--numel`` standard normal entries (default: the 5.26 M
+parameters of the project's benchmark model) and each compressor, the table shows the
+payload size and its ratio to float32, compress and decompress throughput (GB/s of float32
+input), the relative error ``||x - D(C(x))|| / ||x||``, and at 1 Gbit/s the transfer time
+the smaller payload saves against the time compress + decompress spend (above 1: worth it
+on such a link). Times are medians over repetitions (``--stat min``: the fastest), with
+torch on one thread. ``--clock cpu`` measures the calling thread's CPU time instead of wall
+time, which on a machine shared with other jobs is closer to what an idle machine shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from gossamer.compression import get_compressor
+
+PRESETS = {"full": (5_260_000, 7), "smoke": (10_000, 2)}
+SPECS = [
+    "none",
+    "fp16",
+    "bf16",
+    "uint8",
+    "uint8:32",
+    "qsgd:16",
+    "qsgd:4",
+    "natural",
+    "natural_dithering:8",
+    "topk:0.01",
+    "randomk:0.01",
+    "stc:0.01",
+    "sign",
+]
+LINK_BITS_PER_S = 1e9
+
+
+def measure(spec: str, x: torch.Tensor, reps: int, clock, stat) -> dict:
+    compressor = get_compressor(spec)
+    payload = compressor.compress(x)  # warm-up: allocator, lazy initialisation
+    restored = compressor.decompress(payload)
+    compress_s, decompress_s = [], []
+    for _ in range(reps):
+        start = clock()
+        payload = compressor.compress(x)
+        middle = clock()
+        restored = compressor.decompress(payload)
+        compress_s.append(middle - start)
+        decompress_s.append(clock() - middle)
+    exact = x.double()
+    error = (exact - restored.double()).norm() / exact.norm()
+    raw = x.numel() * x.element_size()
+    return {
+        "compressor": compressor.name,
+        "payload_bytes": payload.nbytes,
+        "ratio": payload.nbytes / raw,
+        "compress_s": stat(compress_s),
+        "decompress_s": stat(decompress_s),
+        "relative_error": error.item(),
+        "saved_s": (raw - payload.nbytes) * 8 / LINK_BITS_PER_S,
+    }
+
+
+def table(rows: list[dict], raw_bytes: int) -> str:
+    lines = [
+        "| compressor | payload bytes | ratio vs float32 | compress GB/s | decompress GB/s "
+        "| compress + decompress ms | relative error | saved / spent at 1 Gbit/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        spent = row["compress_s"] + row["decompress_s"]
+        gain = "-" if row["saved_s"] <= 0 else f"{row['saved_s'] / spent:.1f}"
+        lines.append(
+            f"| `{row['compressor']}` | {row['payload_bytes']:,} | {row['ratio']:.4f} "
+            f"| {raw_bytes / row['compress_s'] / 1e9:.2f} "
+            f"| {raw_bytes / row['decompress_s'] / 1e9:.2f} | {spent * 1e3:.1f} "
+            f"| {row['relative_error']:.4f} | {gain} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--numel", type=int, help="elements (overrides the preset's)")
+    parser.add_argument("--reps", type=int, help="repetitions (overrides the preset's)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--stat", choices=["median", "min"], default="median")
+    parser.add_argument("--specs", nargs="+", default=SPECS, help="compressor specs")
+    parser.add_argument("--out", default="results", help="folder for bench_compression.{md,json}")
+    args = parser.parse_args()
+    numel, reps = PRESETS[args.preset]
+    numel, reps = args.numel or numel, args.reps or reps
+    torch.set_num_threads(1)
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    stat = statistics.median if args.stat == "median" else min
+    # Untimed: malloc's first model-sized allocations page-fault until its heap has grown,
+    # which would otherwise slow down whichever compressor runs first.
+    measure("bf16", x, 3, clock, stat)
+    rows = [measure(spec, x, reps, clock, stat) for spec in args.specs]
+    text = table(rows, numel * 4)
+    header = (
+        f"{numel:,} float32 elements ({numel * 4 / 1e6:.1f} MB), torch {torch.__version__}, "
+        f"1 thread, {args.stat} of {reps}, {args.clock} clock"
+    )
+    print(header + "\n\n" + text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_compression.md").write_text(header + "\n\n" + text + "\n")
+    meta = {"numel": numel, "reps": reps, "clock": args.clock, "stat": args.stat}
+    meta["torch"] = torch.__version__
+    (out / "bench_compression.json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

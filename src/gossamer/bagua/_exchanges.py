@@ -1,0 +1,197 @@
+"""Bagua's gathering and exchanging primitives (re-exported by ``communication``).
+
+``allgather``, ``gather``, ``scatter``, ``reduce_scatter``, ``alltoall`` and ``alltoall_v``
+with their in-place twins, in Bagua's signatures; see :mod:`gossamer.bagua.communication`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import gossamer.bagua._collectives as C
+from gossamer import ops
+from gossamer.bagua._collectives import ReduceOp, check_recv, write_into
+from gossamer.bagua._groups import BaguaCommunicator, resolve
+
+__all__ = [
+    "allgather",
+    "allgather_inplace",
+    "alltoall",
+    "alltoall_inplace",
+    "alltoall_v",
+    "alltoall_v_inplace",
+    "gather",
+    "gather_inplace",
+    "reduce_scatter",
+    "reduce_scatter_inplace",
+    "scatter",
+    "scatter_inplace",
+]
+
+
+def allgather(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: BaguaCommunicator | None = None
+) -> None:
+    """Every rank's ``send_tensor``, concatenated in rank order, into ``recv_tensor``."""
+    c = resolve(comm)
+    if c is not None:
+        check_recv(recv_tensor, c.nranks() * send_tensor.numel(), "allgather")
+        write_into(recv_tensor, ops.allgather(send_tensor.reshape(-1), group=c.group), "allgather")
+
+
+def allgather_inplace(tensor: torch.Tensor, comm: BaguaCommunicator | None = None) -> None:
+    """In-place :func:`allgather`: chunk ``rank`` of the flat ``tensor`` is this rank's input."""
+    c = resolve(comm)
+    if c is not None:
+        count = C.split_count(tensor, c.nranks(), "allgather_inplace", "tensor")
+        mine = tensor.reshape(-1)[c.rank() * count : (c.rank() + 1) * count]
+        write_into(tensor, ops.allgather(mine, group=c.group), "allgather_inplace")
+
+
+def gather(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    dst: int,
+    comm: BaguaCommunicator | None = None,
+) -> None:
+    """Rank ``dst`` gets every rank's ``send_tensor`` in rank order in ``recv_tensor``."""
+    c = resolve(comm)
+    if c is not None:
+        if c.rank() == dst:
+            check_recv(recv_tensor, c.nranks() * send_tensor.numel(), "gather")
+        result = C.gather(send_tensor, dst, c.group)
+        if result is not None:
+            write_into(recv_tensor, result, "gather")
+
+
+def gather_inplace(
+    tensor: torch.Tensor, count: int, dst: int, comm: BaguaCommunicator | None = None
+) -> None:
+    """In-place :func:`gather`.
+
+    On ``dst``, ``tensor`` has nranks x ``count`` elements, its own input at chunk ``dst``;
+    elsewhere ``tensor`` has ``count`` elements.
+    """
+    c = resolve(comm)
+    if c is None:
+        return
+    flat = tensor.reshape(-1)
+    mine = flat[dst * count : (dst + 1) * count] if c.rank() == dst else flat
+    gather(mine, tensor, dst, c)
+
+
+def scatter(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    src: int,
+    comm: BaguaCommunicator | None = None,
+) -> None:
+    """Chunk ``i`` of rank ``src``'s ``send_tensor`` goes to rank ``i``'s ``recv_tensor``."""
+    c = resolve(comm)
+    if c is not None:
+        write_into(
+            recv_tensor, C.scatter(send_tensor, recv_tensor.numel(), src, c.group), "scatter"
+        )
+
+
+def scatter_inplace(
+    tensor: torch.Tensor, count: int, src: int, comm: BaguaCommunicator | None = None
+) -> None:
+    """In-place :func:`scatter`.
+
+    On ``src``, ``tensor`` has nranks x ``count`` elements (its own chunk stays in place);
+    elsewhere it receives ``count`` elements.
+    """
+    c = resolve(comm)
+    if c is None:
+        return
+    result = C.scatter(tensor, count, src, c.group)
+    if c.rank() != src:
+        write_into(tensor, result, "scatter_inplace")
+
+
+def reduce_scatter(
+    send_tensor: torch.Tensor,
+    recv_tensor: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    comm: BaguaCommunicator | None = None,
+) -> None:
+    """Reduce ``send_tensor`` with ``op``; rank ``i`` gets chunk ``i`` in ``recv_tensor``."""
+    c = resolve(comm)
+    if c is not None:
+        check_recv(recv_tensor, send_tensor.numel() // c.nranks(), "reduce_scatter")
+        write_into(recv_tensor, C.reduce_scatter(send_tensor, op, c.group), "reduce_scatter")
+
+
+def reduce_scatter_inplace(
+    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: BaguaCommunicator | None = None
+) -> None:
+    """In-place :func:`reduce_scatter`: the result lands in chunk ``rank`` of ``tensor``."""
+    c = resolve(comm)
+    if c is None:
+        return
+    result = C.reduce_scatter(tensor, op, c.group)
+    count = result.numel()
+    write_into(
+        tensor.reshape(-1)[c.rank() * count : (c.rank() + 1) * count], result, "reduce_scatter"
+    )
+
+
+def alltoall(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: BaguaCommunicator | None = None
+) -> None:
+    """Chunk ``j`` of ``send_tensor`` goes to rank ``j``.
+
+    Chunk ``i`` of ``recv_tensor`` comes from rank ``i``; sizes are divisible by the
+    number of ranks.
+    """
+    c = resolve(comm)
+    if c is not None:
+        check_recv(recv_tensor, send_tensor.numel(), "alltoall")
+        C.split_count(send_tensor, c.nranks(), "alltoall", "send_tensor")
+        write_into(recv_tensor, ops.alltoall(send_tensor.reshape(-1), group=c.group), "alltoall")
+
+
+def alltoall_inplace(tensor: torch.Tensor, comm: BaguaCommunicator | None = None) -> None:
+    """In-place :func:`alltoall`."""
+    alltoall(tensor, tensor, comm)
+
+
+def alltoall_v(
+    send_tensor: torch.Tensor,
+    send_counts: list[int],
+    send_displs: list[int],
+    recv_tensor: torch.Tensor,
+    recv_counts: list[int],
+    recv_displs: list[int],
+    comm: BaguaCommunicator | None = None,
+) -> None:
+    """:func:`alltoall` with per-rank counts and displacements.
+
+    Rank ``j`` gets ``send_tensor[send_displs[j]:][:send_counts[j]]``; what rank ``i`` sent
+    lands at ``recv_tensor[recv_displs[i]:][:recv_counts[i]]``.
+    """
+    if not recv_tensor.is_contiguous():
+        raise ValueError("alltoall_v: recv_tensor must be contiguous")
+    c = resolve(comm)
+    if c is None:
+        return
+    got = C.alltoall_v(
+        send_tensor, list(send_counts), list(send_displs), list(recv_counts), c.group
+    )
+    flat = recv_tensor.reshape(-1)
+    offset = 0
+    with torch.no_grad():
+        for displ, count in zip(recv_displs, recv_counts, strict=True):
+            flat[displ : displ + count] = got[offset : offset + count]
+            offset += count
+
+
+def alltoall_v_inplace(
+    tensor: torch.Tensor,
+    counts: list[int],
+    displs: list[int],
+    comm: BaguaCommunicator | None = None,
+) -> None:
+    """In-place :func:`alltoall_v` with the same counts and displacements both ways."""
+    alltoall_v(tensor, counts, displs, tensor, counts, displs, comm)

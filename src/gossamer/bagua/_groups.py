@@ -1,0 +1,202 @@
+"""Bagua's process groups and communicators, as views of torch process groups.
+
+A :class:`BaguaProcessGroup` is a list of world ranks and the torch process group over them
+(``None`` for the default group: the world). Its communicators (global, intra-node,
+inter-node) are :class:`BaguaCommunicator` objects that name a torch group and this rank's
+place in it; gossamer's operations take that group. Machines are gossamer's
+(``GOSSAMER_NODES_PER_MACHINE`` fakes them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossamer import context, transport
+from gossamer.bagua._state import state
+
+__all__ = [
+    "BaguaCommunicator",
+    "BaguaProcessGroup",
+    "CommMember",
+    "comm",
+    "default_group",
+    "from_torch_group",
+    "new_group",
+    "resolve",
+]
+
+
+class comm:
+    """Bagua's marker for "the global communicator of the default group"."""
+
+    WORLD = object()
+
+
+class CommMember:
+    """Markers: the default group's communicator, and "this rank is not a member"."""
+
+    WORLD = comm.WORLD
+    NON_COMM_MEMBER = object()
+
+
+class BaguaCommunicator:
+    """A communicator: a torch process group (``None``: the world) and this rank in it."""
+
+    def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int]) -> None:
+        self.group = group
+        self.ranks = list(ranks)
+
+    def rank(self) -> int:
+        """This process's rank in the communicator."""
+        return self.ranks.index(context.rank())
+
+    def nranks(self) -> int:
+        """Number of ranks in the communicator."""
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"BaguaCommunicator(ranks={self.ranks})"
+
+
+def _subgroups(rank_lists: list[list[int]]) -> Any:
+    """One torch group per list (collective); this rank's communicator or NON_COMM_MEMBER."""
+
+    def body() -> tuple[dist.ProcessGroup | None, list[int] | None]:
+        mine, _ = dist.new_subgroups_by_enumeration(rank_lists)
+        me = context.rank()
+        return mine, next((r for r in rank_lists if me in r), None)
+
+    # Creating groups is collective: queue it behind the operations already pending.
+    group, ranks = transport.run("new_group", body, False)
+    return CommMember.NON_COMM_MEMBER if ranks is None else BaguaCommunicator(group, ranks)
+
+
+class BaguaProcessGroup:
+    """Bagua's process group: ranks, a CUDA stream (kept, unused) and a name.
+
+    Args:
+        ranks (Sequence[int]): world ranks of the members, ascending.
+        stream: accepted for Bagua compatibility; gossamer orders work on its own threads.
+        group_name (str): the group's name.
+        torch_group (ProcessGroup, optional): the torch group over ``ranks``; None: world.
+    """
+
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        stream: Any,
+        group_name: str,
+        *,
+        torch_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.ranks = list(ranks)
+        self.stream = stream
+        self.group_name = group_name
+        self.torch_group = torch_group
+        self._communicators: dict[str, Any] = {}
+
+    @property
+    def is_world(self) -> bool:
+        """True when the group holds every rank (hierarchical operations need this)."""
+        return self.ranks == list(range(context.size()))
+
+    def get_global_communicator(self) -> Any:
+        """The communicator over all ranks of the group (NON_COMM_MEMBER for outsiders)."""
+        if context.rank() not in self.ranks:
+            return CommMember.NON_COMM_MEMBER
+        if "global" not in self._communicators:
+            self._communicators["global"] = BaguaCommunicator(self.torch_group, self.ranks)
+        return self._communicators["global"]
+
+    def _machine_lists(self) -> list[list[int]]:
+        layout = context.layout()
+        lists = [
+            [r for r in self.ranks if layout.machine_of[r] == m] for m in range(layout.machine_size)
+        ]
+        return [ranks for ranks in lists if ranks]
+
+    def get_intra_node_communicator(self) -> Any:
+        """The communicator over the group's ranks on this machine (collective on first use)."""
+        if "intra" not in self._communicators:
+            self._communicators["intra"] = _subgroups(self._machine_lists())
+        return self._communicators["intra"]
+
+    def get_inter_node_communicator(self) -> Any:
+        """The communicator over the first group rank of every machine (collective on first use).
+
+        Other ranks get ``CommMember.NON_COMM_MEMBER``.
+        """
+        if "inter" not in self._communicators:
+            leaders = [ranks[0] for ranks in self._machine_lists()]
+            self._communicators["inter"] = _subgroups([leaders])
+        return self._communicators["inter"]
+
+    def __repr__(self) -> str:
+        return f"BaguaProcessGroup({self.group_name!r}, ranks={self.ranks})"
+
+
+def default_group() -> BaguaProcessGroup:
+    """The default group: the world (made on first use after init)."""
+    st = state()
+    if st.default_group is None:
+        st.default_group = BaguaProcessGroup(list(range(context.size())), None, "0")
+    return st.default_group
+
+
+def new_group(
+    ranks: list[int] | None = None, stream: torch.cuda.Stream | None = None
+) -> BaguaProcessGroup:
+    """Create a process group over ``ranks`` (all ranks when None).
+
+    Every process must call it, in the same order, members or not (as in Bagua and torch).
+
+    Raises:
+        ValueError: a rank outside ``[0, world size)``.
+    """
+    size = context.size()
+    chosen = list(range(size)) if ranks is None else sorted(int(r) for r in ranks)
+    bad = [r for r in chosen if not 0 <= r < size]
+    if bad:
+        raise ValueError(f"ranks must be in [0, {size}); got {bad}")
+
+    def body() -> dist.ProcessGroup | None:
+        return dist.new_group(chosen)
+
+    group = transport.run("new_group", body, False)
+    return BaguaProcessGroup(chosen, stream, str(next(state().group_ids)), torch_group=group)
+
+
+def from_torch_group(
+    group: dist.ProcessGroup, stream: torch.cuda.Stream | None = None
+) -> BaguaProcessGroup:
+    """The Bagua process group that communicates over the torch process group ``group``."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup; got {group!r}")
+    ranks = sorted(dist.get_process_group_ranks(group))
+    return BaguaProcessGroup(ranks, stream, str(next(state().group_ids)), torch_group=group)
+
+
+def resolve(comm_: object) -> BaguaCommunicator | None:
+    """The communicator a primitive's ``comm=`` names; None when this rank is not in it.
+
+    Accepts None and ``CommMember.WORLD`` (the default group), a communicator, a
+    :class:`BaguaProcessGroup` (its global communicator) or a torch process group.
+    """
+    if comm_ is None or comm_ is CommMember.WORLD:
+        comm_ = default_group().get_global_communicator()
+    elif isinstance(comm_, BaguaProcessGroup):
+        comm_ = comm_.get_global_communicator()
+    elif isinstance(comm_, dist.ProcessGroup):
+        comm_ = from_torch_group(comm_).get_global_communicator()
+    if comm_ is CommMember.NON_COMM_MEMBER:
+        return None
+    if not isinstance(comm_, BaguaCommunicator):
+        raise TypeError(
+            f"comm must be a communicator (group.get_global_communicator()), a process "
+            f"group or None; got {comm_!r}"
+        )
+    return comm_

@@ -1,0 +1,278 @@
+"""The engine behind ``with_bagua``: hooks that drive an algorithm's operations.
+
+:class:`BaguaDistributedDataParallel` follows Bagua's: forward pre-hooks on the module count
+training steps, re-initialize the algorithm when it asks (``need_reset``) and run the
+algorithm's forward pre-hook; a gradient hook per parameter runs its backward hook; a
+callback at the end of the backward pass runs its post-backward hook; a step hook on each
+optimizer runs its post-step hook. Marking a tensor ready hands its bucket, once complete,
+to gossamer's communication thread; buckets start in order, so every rank issues its
+collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from gossamer import transport
+from gossamer.bagua import env
+from gossamer.bagua._groups import BaguaProcessGroup
+from gossamer.bagua._state import state
+from gossamer.bagua.bucket import BaguaBucket
+from gossamer.bagua.communication import broadcast, broadcast_object
+
+__all__ = ["BaguaDistributedDataParallel"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Backend:
+    """Starts complete buckets, in order, as jobs of gossamer's communication thread.
+
+    A bucket's operation list is one job: it is queued in program order with every other
+    gossamer operation of the process (so collectives pair up across ranks even when the
+    forward pass itself communicates), and the operations inside it run in place.
+    """
+
+    def __init__(self) -> None:
+        self.buckets: list[BaguaBucket] = []
+        self._next = 0
+        self._pending: list[transport.Handle] = []
+
+    def register_ordered_buckets(self, buckets: list[BaguaBucket]) -> None:
+        """Use ``buckets`` from now on, in this order."""
+        self.wait_pending_comm_ops()
+        self.buckets = list(buckets)
+        self._next = 0
+
+    def mark_communication_ready(self, tensor: torch.Tensor) -> None:
+        """Mark ``tensor`` ready and start every bucket, in order, that is complete."""
+        bucket = getattr(tensor, "_bagua_bucket", None)
+        if bucket is None or not any(bucket is b for b in self.buckets):
+            raise RuntimeError(
+                f"tensor {getattr(tensor, 'bagua_tensor_name', '')!r} is in none of the "
+                "model's buckets"
+            )
+        bucket.mark_ready(tensor)
+        while self._next < len(self.buckets) and self.buckets[self._next].all_ready():
+            ready = self.buckets[self._next]
+            ready.reset_ready()
+            self._pending.append(transport.submit(f"bagua_bucket_{ready.name}", ready.execute))
+            self._next += 1
+        if self._next == len(self.buckets):
+            self._next = 0  # every bucket started: the next marks begin a new round
+
+    def wait_pending_comm_ops(self) -> None:
+        """Wait for every started bucket's operations (re-raising their errors)."""
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.wait()
+
+
+def _check_optimizers(optimizers: object) -> list[torch.optim.Optimizer]:
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    if not isinstance(optimizers, list | tuple) or not all(
+        isinstance(o, torch.optim.Optimizer) for o in optimizers
+    ):
+        raise TypeError(f"optimizers must be a list of torch.optim.Optimizer; got {optimizers!r}")
+    return list(optimizers)
+
+
+class BaguaDistributedDataParallel:
+    """Bagua's engine for one module, one algorithm and its optimizers.
+
+    Args:
+        module (nn.Module): the model (its parameters are broadcast from rank 0 here).
+        optimizers (list[torch.optim.Optimizer]): the optimizers stepping its parameters.
+        algorithm (Algorithm): what to communicate; reified for ``process_group``.
+        process_group (BaguaProcessGroup): the ranks taking part.
+        bagua_module_name (str, optional): the module's name (how tensors find it).
+        gradient_as_bucket_view (bool): Bagua's ``do_flatten``.
+        find_unused_parameters (bool): accepted; parameters without a gradient in a step
+            are always communicated as zeros at the end of the backward pass.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        algorithm: Any,
+        process_group: BaguaProcessGroup,
+        bagua_module_name: str | None = None,
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        from gossamer.bagua.algorithms.base import Algorithm
+
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module; got {module!r}")
+        if not isinstance(algorithm, Algorithm):
+            raise TypeError(
+                f"algorithm must be a gossamer.bagua.algorithms.Algorithm; got {algorithm!r}"
+            )
+        if not isinstance(process_group, BaguaProcessGroup):
+            raise TypeError(f"process_group must be a BaguaProcessGroup; got {process_group!r}")
+        self.module = module
+        self.bagua_module_name = bagua_module_name or f"{type(module).__name__}_{id(module)}"
+        self.bagua_optimizers = _check_optimizers(optimizers)
+        self.process_group = process_group
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters
+        self.parameters_to_ignore: list[str] = []
+        for attr in ("_bagua_params_and_buffers_to_ignore", "_ddp_params_and_buffers_to_ignore"):
+            self.parameters_to_ignore.extend(getattr(module, attr, []))
+        self.bagua_train_step_counter = 0
+        self.bagua_buckets: list[BaguaBucket] = []
+        self.require_backward_grad_sync = True
+        self._bagua_backend = _Backend()
+        self._callback_queued = False
+        self._seen: set[str] = set()  # parameters whose gradient arrived this backward
+        previous = module.__dict__.get("_bagua_engine")
+        if previous is not None:  # wrapped again: the previous engine lets go of the module
+            previous.detach()
+        self.bagua_algorithm = algorithm.reify(process_group)
+        state().models[self.bagua_module_name] = self
+        self._framework_hooks = [
+            module.register_forward_pre_hook(self._count_step),
+            module.register_forward_pre_hook(self._maybe_reset),
+            module.register_forward_pre_hook(self._algorithm_forward_pre_hook),
+        ]
+        self._autograd_hooks: list[Any] = []
+        self._optimizer_hooks: list[Any] = []
+        module.__dict__["_bagua_engine"] = self
+        self._bagua_init_algorithm()
+
+    # ------------------------------------------------------------------ parameters
+    def bagua_build_params(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of the parameters to communicate, in registration order.
+
+        Those that require a gradient and are not ignored, without duplicates.
+        """
+        seen: set[int] = set()
+        params = []
+        for mod_name, mod in self.module.named_modules():
+            for p_name, p in mod.named_parameters(recurse=False):
+                name = f"{mod_name}.{p_name}" if mod_name else p_name
+                if p.requires_grad and name not in self.parameters_to_ignore and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append((name, p))
+        return params
+
+    def _bagua_broadcast_parameters(self) -> None:
+        """Rank 0's parameters, buffers and optimizer state on every rank."""
+        comm = self.process_group.get_global_communicator()
+        for _, param in self.bagua_build_params():
+            broadcast(param.data, src=0, comm=comm)
+        for name, buf in self.module.named_buffers():
+            if name not in self.parameters_to_ignore:
+                broadcast(buf, src=0, comm=comm)
+        for optimizer in self.bagua_optimizers:
+            theirs = broadcast_object(optimizer.state_dict(), src=0, comm=comm)
+            if env.get_rank() != self.process_group.ranks[0]:
+                optimizer.load_state_dict(theirs)
+
+    # ------------------------------------------------------------------ algorithm
+    def _split(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Consecutive tensors of one dtype and device, up to the default bucket size."""
+        limit = env.get_default_bucket_size()
+        groups: dict[tuple, list[list[torch.Tensor]]] = {}
+        for t in tensors:
+            eff = t.bagua_getter_closure()
+            eff = t if eff is None else eff
+            runs = groups.setdefault((eff.dtype, eff.device), [[]])
+            size = sum(x.numel() * x.element_size() for x in runs[-1])
+            if runs[-1] and size + eff.numel() * eff.element_size() > limit:
+                runs.append([])
+            runs[-1].append(t)
+        return [run for runs in groups.values() for run in runs]
+
+    def _bagua_init_algorithm(self) -> None:
+        self._bagua_backend.wait_pending_comm_ops()
+        self._bagua_broadcast_parameters()
+        self._bagua_tensors = self.bagua_algorithm.init_tensors(self)
+        self._reset_buckets()
+        self._register_autograd_hooks()
+        self._register_optimizer_hooks()
+
+    def _reset_buckets(self) -> None:
+        for t in self._bagua_tensors:
+            t._bagua_bucket = None
+        self.bagua_buckets = self.bagua_algorithm.tensors_to_buckets(
+            self._split(self._bagua_tensors), self.gradient_as_bucket_view
+        )
+        for bucket in self.bagua_buckets:
+            self.bagua_algorithm.init_operations(self, bucket)
+        self._bagua_backend.register_ordered_buckets(self.bagua_buckets)
+
+    # ------------------------------------------------------------------ hooks
+    def _count_step(self, module: nn.Module, inputs: Any) -> None:
+        self._callback_queued = False
+        self._seen.clear()
+        if module.training:
+            self.bagua_train_step_counter += 1
+
+    def _maybe_reset(self, module: nn.Module, inputs: Any) -> None:
+        # need_reset() runs on every forward (algorithms count calls), as in Bagua.
+        if self.bagua_algorithm.need_reset() and module.training:
+            self._bagua_init_algorithm()
+
+    def _algorithm_forward_pre_hook(self, module: nn.Module, inputs: Any) -> None:
+        if module.training:
+            self.bagua_algorithm.init_forward_pre_hook(self)(inputs)
+
+    def _register_autograd_hooks(self) -> None:
+        for handle in self._autograd_hooks:
+            handle.remove()
+        self._autograd_hooks = [
+            param.register_post_accumulate_grad_hook(self._grad_hook(name))
+            for name, param in self.module.named_parameters()
+            if param.requires_grad
+        ]
+
+    def _grad_hook(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            if not self.require_backward_grad_sync:
+                return
+            self._seen.add(name)
+            self.bagua_algorithm.init_backward_hook(self)(name, param)
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+
+        return hook
+
+    def _post_backward(self) -> None:
+        # Parameters that got no gradient this pass are handed over now, so their buckets
+        # still complete (Bagua needs find_unused_parameters=True for this).
+        hook = self.bagua_algorithm.init_backward_hook(self)
+        for name, param in self.bagua_build_params():
+            if name not in self._seen:
+                hook(name, param)
+        self._seen.clear()
+        self.bagua_algorithm.init_post_backward_hook(self)()
+
+    def _register_optimizer_hooks(self) -> None:
+        for handle in self._optimizer_hooks:
+            handle.remove()
+        post_step = self.bagua_algorithm.init_post_optimizer_step_hook(self)
+        self._optimizer_hooks = [
+            opt.register_step_post_hook(lambda opt, args, kwargs: post_step(opt))
+            for opt in self.bagua_optimizers
+        ]
+
+    def detach(self) -> None:
+        """Wait for pending operations and remove every hook this engine installed."""
+        self._bagua_backend.wait_pending_comm_ops()
+        for handle in [*self._framework_hooks, *self._autograd_hooks, *self._optimizer_hooks]:
+            handle.remove()
+        self._framework_hooks, self._autograd_hooks, self._optimizer_hooks = [], [], []
+
+    def __repr__(self) -> str:
+        return (
+            f"BaguaDistributedDataParallel({self.bagua_module_name!r}, "
+            f"{type(self.bagua_algorithm).__name__}, {len(self.bagua_buckets)} buckets)"
+        )

@@ -1,0 +1,80 @@
+"""Seeded random streams for stochastic compressors: reproducible from ``(seed, step)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gossamer.compression._common import check_int
+from gossamer.compression.base import Compressor
+
+__all__ = ["Seeded", "generator"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """Return a generator on ``device`` seeded by a hash of ``(seed, step)``.
+
+    SplitMix64 spreads neighbouring ``(seed, step)`` pairs over unrelated streams, so the
+    draws of step ``t`` do not repeat those of step ``t + 1`` shifted by one element.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    gen = torch.Generator(device=device)
+    gen.manual_seed((z ^ (z >> 31)) >> 1)  # 63 bits: every backend accepts it
+    return gen
+
+
+class _Counter:
+    """The one mutable part of a stochastic compressor: state, not configuration."""
+
+    __slots__ = ("step",)
+
+    def __init__(self) -> None:
+        self.step = 0
+
+
+@dataclass(frozen=True, repr=False)
+class Seeded(Compressor):
+    """Base of stochastic compressors: draw ``t`` uses the stream of ``(seed, t)``.
+
+    The step counter advances by one per non-empty :meth:`compress` call and is the whole of
+    :meth:`state_dict`, so a run resumed from a checkpoint draws the same numbers.
+    """
+
+    seed: int = field(default=0, kw_only=True)
+    _counter: _Counter = field(
+        default_factory=_Counter, init=False, repr=False, compare=False, hash=False
+    )
+
+    def __post_init__(self) -> None:
+        check_int(self.seed, "seed", 0, 2**63 - 1)
+
+    @property
+    def step(self) -> int:
+        """Number of non-empty tensors compressed so far (the next draw's stream)."""
+        return self._counter.step
+
+    def _next_step(self) -> int:
+        step = self._counter.step
+        self._counter.step = step + 1
+        return step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return ``{"step": n}``: the position in the random stream."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the position in the random stream saved by :meth:`state_dict`.
+
+        Raises:
+            ValueError: ``state`` does not hold exactly a non-negative int ``"step"``.
+        """
+        if not isinstance(state, dict) or set(state) != {"step"}:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state must hold exactly the key 'step' for {self.name!r}; got {got}")
+        self._counter.step = check_int(state["step"], "state['step']", 0)

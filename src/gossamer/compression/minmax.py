@@ -1,0 +1,185 @@
+"""Bagua's MinMaxUInt8: 8-bit codes between each chunk's minimum and maximum."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from gossamer.compression._common import CPU_BLOCK, Reader, check_int, compute_dtype
+from gossamer.compression.base import Compressor
+
+__all__ = ["MinMaxUInt8"]
+
+_EPS = 1e-7  # Bagua's `const float eps`
+
+
+@dataclass(frozen=True, repr=False)
+class MinMaxUInt8(Compressor):
+    """Bagua's MinMaxUInt8: per chunk, one byte per element between the chunk's min and max.
+
+    The flat tensor is cut into ``chunks`` chunks of ``L = ceil(n / chunks)`` elements (the
+    last one shorter; fewer chunks when ``n < chunks``). For a chunk with minimum ``lo`` and
+    maximum ``hi``, in float32 (float64 for float64 tensors), with ``rint`` rounding half to
+    even exactly as Bagua's ``compress_float_to_uint8`` kernel:
+
+    - ``scale = 255 / (hi - lo + eps)``, ``eps = 1e-7``;
+    - ``upper = rint(hi * scale)``, ``lower = upper - 255``;
+    - code ``q = sat_uint8(rint(x * scale) - lower)``  (Bagua's ``min(., upper)`` is
+      implied: ``x <= hi``);
+    - decoded ``(q + lower) / scale``, rounded to the tensor's dtype.
+
+    The error is at most about ``(hi - lo) / 510`` per element; the rounding is
+    deterministic, so the compressor is biased. Codes and decoded values are bit-exact with
+    Bagua's for float32 and float16; the layout differs: all ``(lo, hi)`` pairs (in the
+    tensor's dtype) come first, then the ``n`` codes, with no padding (Bagua pads each
+    chunk's header to 32 bytes and needs ``n`` divisible by the chunk count).
+
+    Bagua's ByteGrad uses one chunk per rank (each rank reduces one chunk) and its
+    low-precision decentralized algorithm one chunk per bucket; more chunks track the local
+    range better for ``2 * itemsize`` bytes each. Bagua runs it without error feedback.
+
+    Registry names: ``"uint8"`` (one chunk), ``"uint8:<chunks>"``.
+
+    Args:
+        chunks: Number of chunks, ``>= 1``.
+
+    Example:
+        >>> c = MinMaxUInt8()
+        >>> c.payload_nbytes(100)  # 100 codes + one float32 (min, max) pair
+        108
+        >>> c.decompress(c.compress(torch.tensor([0.0, 0.5, 1.0])))
+        tensor([0.0000, 0.4980, 1.0000])
+    """
+
+    spec_name: ClassVar[str] = "uint8"
+
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        check_int(self.chunks, "chunks", 1)
+
+    def _layout(self, numel: int) -> tuple[int, int, int]:
+        """Return ``(chunk length, full chunks, elements in the short last chunk)``."""
+        length = math.ceil(numel / self.chunks)
+        full, tail = divmod(numel, length)
+        return length, full, tail
+
+    def _nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        _, full, tail = self._layout(numel)
+        return (full + (tail > 0)) * 2 * dtype.itemsize + numel
+
+    def _parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Return the chunks as 2-D views: the full chunks, then the short last one."""
+        length, full, tail = self._layout(flat.numel())
+        parts = [flat[: full * length].view(full, length)] if full else []
+        if tail:
+            parts.append(flat[full * length :].view(1, tail))
+        return parts
+
+    def _encode(self, flat: torch.Tensor) -> torch.Tensor:
+        cdt = compute_dtype(flat.dtype)
+        parts = self._parts(flat)
+        header = torch.cat([_min_max(part) for part in parts])
+        hsize = header.numel() * flat.element_size()
+        buffer = torch.empty(hsize + flat.numel(), dtype=torch.uint8, device=flat.device)
+        buffer[:hsize].view(flat.dtype).copy_(header.view(-1))
+        scale, lower = _scale_lower(header, cdt)
+        codes, row = buffer[hsize:], 0
+        for part in parts:
+            rows, cols = part.shape
+            out = codes[: rows * cols].view(rows, cols)
+            codes = codes[rows * cols :]
+            _quantize(part, scale[row : row + rows], lower[row : row + rows], out, cdt)
+            row += rows
+        return buffer
+
+    def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        cdt = compute_dtype(dtype)
+        _, full, tail = self._layout(numel)
+        reader = Reader(buffer)
+        header = reader.take(2 * (full + (tail > 0)), dtype).view(-1, 2)
+        scale, lower = _scale_lower(header, cdt)
+        codes = reader.rest()
+        out = torch.empty(numel, dtype=dtype, device=buffer.device)
+        row = 0
+        for part, codes_part in zip(self._parts(out), self._parts(codes), strict=True):
+            rows = part.shape[0]
+            _dequantize(codes_part, scale[row : row + rows], lower[row : row + rows], part, cdt)
+            row += rows
+        return out
+
+
+def _min_max(part: torch.Tensor) -> torch.Tensor:
+    """Return the ``(rows, 2)`` minima and maxima of the rows of ``part``."""
+    if part.shape[0] == 1:  # one pass; torch's aminmax along a dim is much slower than this
+        return torch.stack(torch.aminmax(part)).view(1, 2)
+    return torch.stack([part.amin(dim=1), part.amax(dim=1)], dim=1)
+
+
+def _scale_lower(header: torch.Tensor, cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return per-chunk ``scale`` and ``lower`` as ``(chunks, 1)`` columns, in ``cdt``."""
+    lo, hi = header[:, 0].to(cdt), header[:, 1].to(cdt)
+    # torch computes `number / tensor` as `reciprocal(tensor) * number`, which rounds
+    # twice; Bagua divides once.
+    scale = torch.full_like(hi, 255.0).div_(hi - lo + _EPS)
+    lower = torch.round(hi * scale) - 255.0
+    return scale.unsqueeze(1), lower.unsqueeze(1)
+
+
+def _blocks(rows: int, cols: int, device: torch.device) -> Iterator[tuple[slice, slice]]:
+    """Yield (row, column) slices covering a ``rows x cols`` matrix in cache-sized blocks."""
+    if device.type != "cpu":
+        yield slice(0, rows), slice(0, cols)
+        return
+    if cols >= CPU_BLOCK:
+        for r in range(rows):
+            for c in range(0, cols, CPU_BLOCK):
+                yield slice(r, r + 1), slice(c, c + CPU_BLOCK)
+    else:
+        step = max(1, CPU_BLOCK // cols)
+        for r in range(0, rows, step):
+            yield slice(r, r + step), slice(0, cols)
+
+
+def _quantize(
+    x: torch.Tensor, scale: torch.Tensor, lower: torch.Tensor, out: torch.Tensor, cdt: torch.dtype
+) -> None:
+    """Write ``sat_uint8(rint(x * scale) - lower)`` into ``out`` (same shape as ``x``)."""
+    size = min(x.numel(), CPU_BLOCK)
+    work = torch.empty(size, dtype=cdt, device=x.device)
+    whole = torch.empty(size, dtype=torch.int32, device=x.device)
+    for rs, cs in _blocks(*x.shape, x.device):
+        xb = x[rs, cs]
+        tb = work[: xb.numel()].view(xb.shape)
+        ib = whole[: xb.numel()].view(xb.shape)
+        # `scale` is a (rows, 1) tensor, not 0-d, so 16-bit inputs are multiplied in cdt.
+        torch.mul(xb, scale[rs], out=tb)
+        tb.round_().sub_(lower[rs]).clamp_(0.0, 255.0)
+        # float -> int32 -> uint8 is faster than torch's direct float -> uint8 cast.
+        ib.copy_(tb)
+        out[rs, cs].copy_(ib)
+
+
+def _dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    lower: torch.Tensor,
+    out: torch.Tensor,
+    cdt: torch.dtype,
+) -> None:
+    """Write ``(codes + lower) / scale`` into ``out``, computed in ``cdt``."""
+    direct = out.dtype == cdt
+    work = (
+        None if direct else torch.empty(min(out.numel(), CPU_BLOCK), dtype=cdt, device=out.device)
+    )
+    for rs, cs in _blocks(*out.shape, out.device):
+        ob = out[rs, cs]
+        tb = ob if work is None else work[: ob.numel()].view(ob.shape)
+        tb.copy_(codes[rs, cs])
+        tb.add_(lower[rs]).div_(scale[rs])
+        if work is not None:
+            ob.copy_(tb)

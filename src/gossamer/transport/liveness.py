@@ -1,0 +1,136 @@
+"""Which ranks are alive: a heartbeat per rank in the rendezvous store, read when a wait stalls.
+
+gloo does not say which rank died: a rank whose peer died gets "connection reset" from the
+pair it was using, which may lead to a survivor, and a rank waiting on a survivor (that has
+already failed) waits for the whole deadline. So every rank runs a small daemon thread that
+writes a counter to the store every :data:`BEAT_S` (``gossamer/alive/<rank>``). The counters
+are read after a transfer failed (:mod:`~gossamer.transport.failures`), and by the same
+thread when the operation in progress has run for :data:`STALL_S` (the engine's watchdog);
+a rank whose counter has not moved for :data:`DEAD_AFTER_S` is lost, and the operation
+raises :class:`~gossamer.errors.RankLostError` naming it. A rank found lost stays lost:
+every later operation raises at once.
+
+Counters, not clocks, so clock skew between machines cannot make a live rank look dead; a
+rank is judged only on changes this rank observed itself. Nothing is read while operations
+complete normally, so the cost is one small store write per rank per :data:`BEAT_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from gossamer import context
+
+__all__ = ["BEAT_S", "DEAD_AFTER_S", "STALL_S", "Liveness", "get_liveness"]
+
+logger = logging.getLogger("gossamer")
+
+BEAT_S = 0.5  # a rank writes its counter this often
+STALL_S = 0.5  # a wait this long starts reading the counters
+DEAD_AFTER_S = 3.0  # a counter unchanged this long (as observed here) marks its rank lost
+_PREFIX = "gossamer/alive/"
+
+
+class Liveness:
+    """This rank's heartbeat and its view of the other ranks' (a runtime component).
+
+    Attributes:
+        lost: global ranks found dead (or gone); never shrinks.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, store_host: int | None) -> None:
+        self.lost: set[int] = set()
+        # A store client is not safe to share between threads (a TCPStore's socket would
+        # interleave the heartbeat with the process group's own rendezvous): one clone for
+        # the heartbeat thread, one for the readers.
+        self._writer, self._store = store.clone(), store.clone()
+        self._rank, self._size = rank, size
+        self._store_host = store_host
+        self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (counter, when it changed)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._beats = 0
+        self._watchers: list[Callable[[Liveness], None]] = []
+        self._beat()  # the key exists before anyone reads it
+        self._thread = threading.Thread(target=self._run, name="gossamer-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self._writer.set(f"{_PREFIX}{self._rank}", str(self._beats))
+
+    def on_beat(self, watcher: Callable[[Liveness], None]) -> None:
+        """Call ``watcher(self)`` on the heartbeat thread after every beat."""
+        self._watchers.append(watcher)
+
+    def _run(self) -> None:
+        beating = True
+        while not self._stop.wait(BEAT_S):
+            if beating:
+                try:
+                    self._beat()
+                except Exception:  # the store is gone (its host died): readers find out
+                    logger.debug("heartbeat of rank %d stopped", self._rank, exc_info=True)
+                    beating = False
+            for watcher in self._watchers:
+                try:
+                    watcher(self)
+                except Exception:
+                    logger.exception("liveness watcher failed")
+
+    def check(self) -> set[int]:
+        """Read every rank's counter; return the ranks lost (also added to :attr:`lost`)."""
+        now = time.monotonic()
+        ranks = [r for r in range(self._size) if r != self._rank and r not in self.lost]
+        keys = [f"{_PREFIX}{r}" for r in ranks]
+        try:
+            with self._lock:
+                values = self._read(keys)
+        except Exception:
+            # The store itself is unreachable: its host is gone, if we know which rank it is.
+            if self._store_host is not None and self._store_host != self._rank:
+                self.lost.add(self._store_host)
+            return set(self.lost)
+        for rank, value in zip(ranks, values, strict=True):
+            if value is None:
+                continue  # not started yet (still in init)
+            last = self._seen.get(rank)
+            if last is None or last[0] != value:
+                self._seen[rank] = (value, now)
+            elif now - last[1] >= DEAD_AFTER_S:
+                self.lost.add(rank)
+        return set(self.lost)
+
+    def _read(self, keys: list[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        if self._store.check(keys):  # all there: one round trip (get would block on a missing key)
+            return list(self._store.multi_get(keys))
+        return [self._store.get(k) if self._store.check([k]) else None for k in keys]
+
+    def close(self) -> None:
+        """Stop the heartbeat."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * BEAT_S)
+
+
+def get_liveness() -> Liveness | None:
+    """This process's :class:`Liveness`, started on first use; None without a store or peers."""
+    runtime = context.runtime()
+    found = runtime.find("transport.liveness")
+    if found is not None:
+        return found
+    if runtime.store is None or runtime.layout.size == 1:
+        return None
+    return runtime.component(
+        "transport.liveness",
+        lambda: Liveness(
+            runtime.store, runtime.layout.rank, runtime.layout.size, runtime.store_host
+        ),
+    )

@@ -1,0 +1,187 @@
+"""Compressed communication against the algorithms simulated in one process.
+
+CHOCO-gossip (Koloskova et al., 2019) and the compressed allreduce (ByteGrad's
+scatter-reduce-gather, allgather of sparse payloads) are run on real ranks and compared with
+a reference that runs the same algorithm for every rank in the test process, with the
+library's compressors (which are tested on their own in tests/unit).
+"""
+
+import pytest
+import torch
+
+import gossamer
+from gossamer import communicators, optim
+from gossamer import topology as topo
+from gossamer.compression import Payload, get_compressor
+from gossamer.testing import run_distributed
+from problems import least_squares_data, least_squares_optimum, linear_model
+
+
+def _start(rank, numel=1000):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(numel, generator=g, dtype=torch.float64)
+
+
+def _run_rounds(comm, x, rounds):
+    for _ in range(rounds):
+        comm.next_round()
+        x = comm.start(x, 0).wait()
+    return x
+
+
+def _choco(spec, dynamic, rounds):
+    n, r = gossamer.size(), gossamer.rank()
+    g = topo.exponential_two(n)
+    if dynamic:
+        comm = communicators.ChocoGossip(spec, schedule=topo.one_peer_exponential(g, r))
+    else:
+        comm = communicators.ChocoGossip(spec, topology=g)
+    return _run_rounds(comm, _start(r), rounds)
+
+
+def _simulate_static_choco(spec, n, rounds):
+    """CHOCO on exp-2 for all ranks in one process: x_i += gamma sum_j W[j,i](h_j - h_i)."""
+    c = get_compressor(spec)
+    gamma = communicators.default_gamma(c)
+    W = torch.tensor(topo.exponential_two(n).weights)
+    xs = [_start(r) for r in range(n)]
+    hat = [torch.zeros_like(x) for x in xs]
+    for _ in range(rounds):
+        for i in range(n):
+            hat[i] = hat[i] + c.decompress(c.compress(xs[i] - hat[i]))
+        xs = [
+            xs[i] + gamma * sum(W[j, i] * (hat[j] - hat[i]) for j in range(n) if j != i)
+            for i in range(n)
+        ]
+    return xs
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_static_choco_matches_the_one_process_simulation(world_size):
+    got = run_distributed(
+        _choco,
+        world_size,
+        args=(
+            "uint8",
+            False,
+            5,
+        ),
+    )
+    want = _simulate_static_choco("uint8", world_size, 5)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("spec", ["uint8", "topk:0.1"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "one-peer"])
+def test_choco_reaches_consensus_and_keeps_the_average(spec, dynamic):
+    n = 4
+    start = torch.stack([_start(r) for r in range(n)])
+    got = torch.stack(
+        run_distributed(
+            _choco,
+            n,
+            args=(
+                spec,
+                dynamic,
+                400,
+            ),
+        )
+    )
+    spread0 = (start - start.mean(0)).norm()
+    spread = (got - got.mean(0)).norm()
+    assert spread < 1e-6 * spread0, f"consensus error {spread / spread0:.2e} of its start"
+    torch.testing.assert_close(got.mean(0), start.mean(0), rtol=1e-6, atol=1e-9)
+
+
+def _compressed_allreduce(spec, feedback):
+    comm = communicators.CompressedAllreduce(spec, error_feedback=feedback)
+    return _run_rounds(comm, _start(gossamer.rank(), 1001), 1)
+
+
+def _simulate_scatter_gather(spec, n, numel=1001):
+    c = get_compressor(spec)
+    per = -(-numel // n)
+    chunks = []
+    for r in range(n):
+        x = torch.zeros(per * n, dtype=torch.float64)
+        x[:numel] = _start(r, numel)
+        chunks.append([c.decompress(c.compress(part)) for part in x.view(n, per)])
+    reduced = [sum(chunks[r][k] for r in range(n)) / n for k in range(n)]
+    out = torch.cat([c.decompress(c.compress(part)) for part in reduced])
+    return out[:numel]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_uint8_scatter_reduce_gather_matches_the_simulation(world_size):
+    got = run_distributed(
+        _compressed_allreduce,
+        world_size,
+        args=(
+            "uint8",
+            False,
+        ),
+    )
+    want = _simulate_scatter_gather("uint8", world_size)
+    exact = torch.stack([_start(r, 1001) for r in range(world_size)]).mean(0)
+    for g in got:
+        torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-9)
+        assert (g - exact).abs().max() < 0.05  # two 8-bit quantizations of values ~N(0, 1)
+
+
+def test_sparse_allreduce_averages_the_decoded_payloads():
+    n = 3
+    got = run_distributed(
+        _compressed_allreduce,
+        n,
+        args=(
+            "topk:0.1",
+            False,
+        ),
+    )
+    c = get_compressor("topk:0.1")
+    want = sum(c.decompress(c.compress(_start(r, 1001))) for r in range(n)) / n
+    for g in got:
+        torch.testing.assert_close(g, want)
+
+
+def _topk_least_squares(steps):
+    model = linear_model()
+    opt = optim.GradientAllreduce(
+        torch.optim.SGD(model.parameters(), lr=0.05), model, compression="topk:0.4"
+    )
+    A, b = least_squares_data(gossamer.rank())
+    # EF's residuals hold each rank's share of the compression error, so x trails the
+    # exact iterate by O(lr): a decaying step size brings it to the optimum.
+    for step in range(steps):
+        opt.param_groups[0]["lr"] = 0.1 * 0.995**step
+        opt.zero_grad()
+        ((model(A).squeeze(1) - b) ** 2).mean().backward()
+        opt.step()
+    return model.weight.detach().reshape(-1)
+
+
+def test_topk_gradient_allreduce_with_error_feedback_reaches_the_optimum():
+    optimum = least_squares_optimum(4)
+    for weight in run_distributed(_topk_least_squares, 4, args=(1000,)):
+        assert (weight - optimum).norm() < 1e-4
+
+
+def test_compression_options_are_checked():
+    with pytest.raises(ValueError, match="gamma"):
+        communicators.ChocoGossip("uint8", gamma=1.5)
+    with pytest.raises(ValueError, match="compression"):
+        communicators.make("hierarchical_neighbor_allreduce", compression="uint8")
+    with pytest.raises(ValueError, match="error_feedback"):
+        communicators.make("allreduce", error_feedback=True)
+    assert isinstance(communicators.make(compression="uint8"), communicators.ChocoGossip)
+    assert isinstance(
+        communicators.make("allreduce", compression="sign"), communicators.CompressedAllreduce
+    )
+
+
+def test_payload_travels_as_bytes():
+    c = get_compressor("uint8")
+    p = c.compress(_start(0))
+    assert p.buffer.dtype == torch.uint8 and p.nbytes <= 0.26 * 8 * 1000
+    assert isinstance(Payload(p.buffer, p.shape, p.dtype), Payload)

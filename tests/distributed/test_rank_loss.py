@@ -1,0 +1,131 @@
+"""A rank killed in the middle of an operation: every survivor raises RankLostError naming it.
+
+Each case starts its own processes (a killed rank would break the shared pool): the ranks
+loop on one operation until the victim kills itself (SIGKILL, no clean-up). A survivor
+next to the victim sees gloo's connection error; one that is not (a ring neighbour's
+neighbour, the other machine of a hierarchical call) waits on a survivor that already
+failed, and must not wait for the deadline: the heartbeats tell it who died. Every
+survivor must also fail at once on its next call, and exit normally.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+SCRIPT = textwrap.dedent(r"""
+    import json, os, signal, sys, time, torch, gossamer
+    from gossamer import topology as topo
+
+    op, victim, mark = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    gossamer.init()
+    r, n = gossamer.rank(), gossamer.size()
+    if op == "hierarchical_neighbor_allreduce":
+        gossamer.set_machine_topology(topo.fully_connected(gossamer.machine_size()))
+    x = torch.ones(20_000)
+    calls = {
+        "allreduce": lambda: gossamer.allreduce(x),
+        # a ring: some survivors exchange only with other survivors
+        "neighbor_allreduce": lambda: gossamer.neighbor_allreduce(x, topology=topo.ring(n)),
+        "hierarchical_neighbor_allreduce": lambda: gossamer.hierarchical_neighbor_allreduce(x),
+    }
+    report = {"rank": r}
+    for i in range(100_000):
+        if r == victim and i == 5:
+            with open(mark, "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            calls[op]()
+        except Exception as err:
+            report["raised_at"] = time.time()
+            report["error"] = type(err).__name__
+            report["lost"] = getattr(err, "ranks", None)
+            report["message"] = str(err)
+            break
+    start = time.time()
+    try:
+        calls[op]()
+        report["next"] = "no error"
+    except Exception as err:
+        report["next"] = type(err).__name__
+        report["next_lost"] = getattr(err, "ranks", None)
+    report["next_s"] = time.time() - start
+    print("REPORT " + json.dumps(report), flush=True)
+""")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# world size, victim, environment. Rank 0 hosts the rendezvous store here (no torchrun agent):
+# killing it takes the heartbeats' store with it, which names it too.
+CASES = {
+    "allreduce": (3, 0, {}),
+    "neighbor_allreduce": (4, 2, {}),
+    "hierarchical_neighbor_allreduce": (4, 3, {"GOSSAMER_NODES_PER_MACHINE": "2"}),
+}
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_survivors_name_the_killed_rank(op, tmp_path):
+    world, victim, extra = CASES[op]
+    script = tmp_path / "victim.py"
+    script.write_text(SCRIPT)
+    mark = tmp_path / "killed_at"
+    env = {
+        **os.environ,
+        **extra,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(world),
+        # the deadline the survivors must beat, by far; the test fails on a hang long before
+        "GOSSAMER_TIMEOUT": "60",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), op, str(victim), str(mark)],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outputs = {}
+    for r, proc in enumerate(procs):
+        try:
+            outputs[r], _ = proc.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"rank {r} hung: {proc.communicate()[0]}")
+    exited_at = time.time()
+    assert procs[victim].returncode == -9
+    killed_at = float(mark.read_text())
+    delays = []
+    for r in range(world):
+        if r == victim:
+            continue
+        assert procs[r].returncode == 0, outputs[r]  # raised, then exited normally
+        lines = [ln for ln in outputs[r].splitlines() if ln.startswith("REPORT ")]
+        assert lines, outputs[r]
+        report = json.loads(lines[0].removeprefix("REPORT "))
+        assert report["error"] == "RankLostError", report
+        assert report["lost"] == [victim], report
+        assert f"rank {victim} was lost" in report["message"], report
+        assert report["next"] == "RankLostError" and report["next_lost"] == [victim], report
+        assert report["next_s"] < 1.0, report
+        delays.append(report["raised_at"] - killed_at)
+    # the deadline is 60 s: every survivor named the victim well before it
+    assert max(delays) < 20.0, delays
+    print(f"{op}: survivors raised {[round(d, 2) for d in delays]} s after the kill")
+    assert exited_at - killed_at < 120

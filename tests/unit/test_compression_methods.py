@@ -1,0 +1,306 @@
+"""Each compressor against an independent reference: Bagua's formula, unbiasedness, bounds."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gossamer.compression import (
+    BF16,
+    FP16,
+    QSGD,
+    STC,
+    MinMaxUInt8,
+    Natural,
+    NaturalDithering,
+    Payload,
+    RandomK,
+    Sign,
+    TopK,
+)
+
+
+def _randn(numel, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+
+
+# --- MinMaxUInt8: bit-exact with Bagua's compress_float_to_uint8 / decompress kernels --------
+
+
+def bagua_minmax_uint8(x: np.ndarray, chunks: int) -> tuple[list, np.ndarray, np.ndarray]:
+    """Bagua's kernel, one chunk at a time, in numpy float32 (the kernel's arithmetic)."""
+    f32 = np.float32
+    length = math.ceil(x.size / chunks)
+    headers, codes, decoded = [], [], []
+    for start in range(0, x.size, length):
+        chunk = x[start : start + length]
+        lo, hi = chunk.min(), chunk.max()  # in the source dtype, as the header stores them
+        scale = f32(255.0) / (f32(hi) - f32(lo) + f32(1e-7))
+        upper = np.rint(f32(hi) * scale)
+        lower = upper - f32(255.0)
+        level = np.minimum(np.rint(chunk.astype(f32) * scale), upper)
+        # CUDA's float -> uint8 conversion saturates.
+        q = np.clip(level - lower, 0, 255).astype(np.uint8)
+        headers += [lo, hi]
+        codes.append(q)
+        decoded.append(((q.astype(f32) + lower) / scale).astype(x.dtype))
+    return headers, np.concatenate(codes), np.concatenate(decoded)
+
+
+BAGUA_INPUTS = {
+    "normal": lambda n: _randn(n, 1).numpy(),
+    "offset-1000": lambda n: (1000.0 + 0.01 * _randn(n, 2)).numpy(),  # levels above 2^24
+    "constant": lambda n: np.full(n, 0.3, dtype=np.float32),
+    "ramp": lambda n: np.linspace(-3.0, 7.0, n, dtype=np.float32),
+    "tiny": lambda n: (1e-6 * _randn(n, 3)).numpy(),
+}
+
+
+@pytest.mark.parametrize("make", BAGUA_INPUTS.values(), ids=BAGUA_INPUTS.keys())
+@pytest.mark.parametrize("chunks", [1, 3, 8], ids=lambda c: f"chunks{c}")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_minmax_uint8_is_bit_exact_with_bagua(make, chunks, dtype):
+    x = make(1003).astype(dtype)
+    headers, codes, decoded = bagua_minmax_uint8(x, chunks)
+    compressor = MinMaxUInt8(chunks)
+    tensor = torch.from_numpy(x)
+    buffer = compressor.compress(tensor).buffer
+    head = len(headers) * x.itemsize
+    assert buffer[:head].numpy().view(dtype).tolist() == headers
+    np.testing.assert_array_equal(buffer[head:].numpy(), codes)
+    out = compressor.decompress(Payload(buffer, tensor.shape, tensor.dtype)).numpy()
+    np.testing.assert_array_equal(out.view(np.uint8), decoded.view(np.uint8))  # bit for bit
+
+
+def test_minmax_uint8_error_is_within_half_a_step():
+    x = _randn(10_000, 4, torch.float64)
+    y = MinMaxUInt8(4).decompress(MinMaxUInt8(4).compress(x))
+    for chunk_x, chunk_y in zip(x.view(4, -1), y.view(4, -1), strict=True):
+        step = (chunk_x.max() - chunk_x.min()) / 255
+        assert (chunk_x - chunk_y).abs().max() <= 0.5 * step * (1 + 1e-4)
+
+
+def test_minmax_uint8_uses_fewer_chunks_than_asked_for_short_tensors():
+    compressor = MinMaxUInt8(8)
+    assert compressor.payload_nbytes(3) == 3 * 8 + 3  # three chunks of one element
+    x = torch.tensor([1.0, -2.0, 3.0])
+    torch.testing.assert_close(compressor.decompress(compressor.compress(x)), x)
+
+
+# --- Unbiased quantizers: Monte Carlo over many independent draws -----------------------------
+
+TRIALS = 4000
+
+
+def _trials(compressor, x):
+    """TRIALS independent draws of D(C(x)), vectorised: x repeated, one bucket per copy."""
+    repeated = x.repeat(TRIALS)
+    return compressor.decompress(compressor.compress(repeated)).view(TRIALS, -1)
+
+
+def _assert_rounds_between(samples, x, low, high):
+    """Each draw is sign(x) * low or sign(x) * high, high with chance (|x| - low) / (high - low).
+
+    That chance is exactly what makes the mean x (unbiased); it is checked per element with
+    a binomial bound of five standard deviations, which stays valid for rare events.
+    """
+    magnitude = samples.abs()
+    is_low = torch.isclose(magnitude, low.expand_as(magnitude), rtol=1e-12, atol=0)
+    is_high = torch.isclose(magnitude, high.expand_as(magnitude), rtol=1e-12, atol=0)
+    assert (is_low | is_high).all()
+    assert (samples * torch.sign(x) >= 0).all()
+    chance = (x.abs() - low) / (high - low)
+    frequency = is_high.double().mean(0)
+    slack = 5 * (chance * (1 - chance) / TRIALS).sqrt() + 2 / TRIALS
+    assert ((frequency - chance).abs() <= slack).all()
+
+
+def _bucket_norms(x, bucket):
+    return x.view(-1, bucket).norm(dim=1).repeat_interleave(bucket)
+
+
+@pytest.mark.parametrize("levels", [1, 4, 16], ids=lambda s: f"s{s}")
+def test_qsgd_rounds_between_uniform_levels_without_bias(levels):
+    x = _randn(100, 5, torch.float64) * torch.logspace(-3, 1, 100, dtype=torch.float64)
+    samples = _trials(QSGD(levels, seed=2, bucket=50), x)
+    norm = _bucket_norms(x, 50)
+    low = torch.floor(x.abs() / norm * levels) / levels * norm
+    _assert_rounds_between(samples, x, low, low + norm / levels)
+    assert not torch.equal(samples[0], samples[1])  # it is random
+
+
+@pytest.mark.parametrize("levels", [2, 6], ids=lambda s: f"s{s}")
+def test_natural_dithering_rounds_between_powers_of_two_without_bias(levels):
+    x = _randn(100, 6, torch.float64) * torch.logspace(-3, 1, 100, dtype=torch.float64)
+    samples = _trials(NaturalDithering(levels, seed=2, bucket=50), x)
+    norm = _bucket_norms(x, 50)
+    smallest = 2.0 ** (1 - levels)
+    r = x.abs() / norm
+    low = torch.where(r < smallest, 0.0, 2 ** torch.floor(torch.log2(r)))
+    high = torch.where(r < smallest, smallest, 2 * low)
+    _assert_rounds_between(samples, x, low * norm, high * norm)
+
+
+def test_qsgd_variance_bound():
+    s, d = 4, 50
+    x = _randn(d, 6, torch.float64)
+    samples = _trials(QSGD(s, bucket=d), x)
+    mse = (samples - x).pow(2).sum(1).mean()
+    assert mse <= min(d / s**2, math.sqrt(d) / s) * x.norm() ** 2
+
+
+def test_natural_is_unbiased_with_variance_at_most_one_eighth():
+    # |x| = 4/3 * 2^e is where the variance (|x| - 2^e)(2^(e+1) - |x|) peaks, at x^2 / 8.
+    exponents = torch.arange(-20, 21, dtype=torch.float64)
+    x = torch.cat(
+        [4 / 3 * 2**exponents, -1.1 * 2**exponents, 2**exponents, _randn(50, 7, torch.float64)]
+    )
+    x = x.float().double()  # natural compression works on float32 values
+    samples = _trials(Natural(seed=11), x.float()).double()
+    low = 2 ** torch.floor(torch.log2(x.abs()))
+    _assert_rounds_between(samples, x, low, 2 * low)
+    variance = (x.abs() - low) * (2 * low - x.abs())
+    assert (variance <= x.pow(2) / 8 * (1 + 1e-12)).all()
+    assert samples.pow(2).sum(1).mean() <= 9 / 8 * x.pow(2).sum() * 1.01
+
+
+def test_natural_special_values():
+    x = torch.tensor([0.0, -0.0, 1.0, -0.25, float("inf"), -float("inf"), 2.0**-130])
+    y = Natural().decompress(Natural().compress(x))
+    assert y[:6].tolist() == [0.0, -0.0, 1.0, -0.25, float("inf"), -float("inf")]
+    assert torch.signbit(y[1]) and y[6] in (0.0, 2.0**-126)  # below the normal range
+    assert Natural().payload_nbytes(16) == 16 + 2  # 9 bits per element
+
+
+def test_stochastic_compressors_are_reproducible_and_resumable():
+    x = _randn(1000, 8)
+    for make in (lambda: QSGD(8, seed=4), lambda: Natural(seed=4), lambda: RandomK(0.1, seed=4)):
+        first, second = make(), make()
+        assert torch.equal(first.compress(x).buffer, second.compress(x).buffer)
+        state = first.state_dict()
+        expected = [first.compress(x).buffer for _ in range(3)]
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert [resumed.compress(x).buffer.tolist() for _ in range(3)] == [
+            b.tolist() for b in expected
+        ]
+        assert not torch.equal(expected[0], expected[1])  # each step draws anew
+    with pytest.raises(ValueError, match="state must hold exactly the key 'step'"):
+        QSGD(4).load_state_dict({"steps": 1})
+
+
+# --- Sparsifiers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("numel", [10, 1000, 600_000], ids=lambda n: f"n{n}")
+def test_topk_keeps_exactly_the_largest_magnitudes(numel):
+    x = _randn(numel, 9)
+    k = math.ceil(0.01 * numel)
+    y = TopK(0.01).decompress(TopK(0.01).compress(x))
+    kept = torch.nonzero(y).view(-1)
+    expected = torch.argsort(x.abs(), descending=True)[:k]
+    assert set(kept.tolist()) == set(expected.tolist())
+    assert torch.equal(y[kept], x[kept])
+
+
+def test_topk_large_tensor_falls_back_when_the_sample_misleads():
+    # The 65 536 sampled positions hold the largest values but fewer than k: the threshold
+    # estimated from the sample lets too few through, and the full topk must decide.
+    numel, k = 600_000, 70_000
+    x = _randn(numel, 10)
+    picks = torch.arange(1 << 16) * 2654435761 % numel
+    x[picks] = 5.0 + torch.arange(1 << 16, dtype=torch.float32) * 1e-5
+    y = TopK(k / numel).decompress(TopK(k / numel).compress(x))
+    expected = torch.argsort(x.abs(), descending=True)[:k]
+    assert set(torch.nonzero(y).view(-1).tolist()) == set(expected.tolist())
+
+
+def test_topk_payload_bit_packs_indices():
+    numel = 5_260_000
+    k = math.ceil(0.01 * numel)
+    assert TopK(0.01).payload_nbytes(numel) == 4 * k + math.ceil(k * 23 / 8)
+
+
+def test_randomk_regenerates_indices_from_the_header():
+    x = _randn(1000, 12)
+    sender, receiver = RandomK(0.1, seed=3), RandomK(0.1, seed=99)
+    payload = sender.compress(x)
+    assert payload.nbytes == 16 + 100 * 4  # seed and step, then the values: no indices
+    y = receiver.decompress(payload)
+    kept = torch.nonzero(y).view(-1)
+    assert kept.numel() == 100 and torch.equal(y[kept], x[kept])
+    # One position per block of ten, each block visited once.
+    assert torch.equal(kept // 10, torch.arange(100))
+    other = sender.compress(x)
+    assert not torch.equal(torch.nonzero(sender.decompress(other)).view(-1), kept)
+
+
+def test_randomk_same_seed_same_positions_on_every_rank():
+    a, b = RandomK(0.05, seed=7), RandomK(0.05, seed=7)
+    ya = a.decompress(a.compress(_randn(2000, 1)))
+    yb = b.decompress(b.compress(_randn(2000, 2)))
+    assert torch.equal(ya != 0, yb != 0)
+
+
+@pytest.mark.parametrize("numel", [100, 97], ids=["aligned", "uneven-blocks"])
+def test_unbiased_randomk_is_unbiased(numel):
+    x = _randn(numel, 13, torch.float64)
+    compressor = RandomK(0.1, unbiased=True, seed=1)
+    # TRIALS copies in one tensor: one kept position per block of about ten, so each copy is
+    # an independent draw; kept values are scaled by their block size, about 10.
+    samples = compressor.decompress(compressor.compress(x.repeat(TRIALS))).view(TRIALS, -1)
+    kept = samples != 0
+    ratio = samples[kept] / x.repeat(TRIALS, 1)[kept]
+    assert ((ratio - ratio.round()).abs() < 1e-12).all() and set(ratio.round().tolist()) <= {
+        9,
+        10,
+        11,
+    }
+    # Var = x^2 (n_j - 1) <= 10 x^2 per draw.
+    bound = 5 * x.abs() * math.sqrt(10 / TRIALS)
+    assert ((samples.mean(0) - x).abs() <= bound).all()
+    assert kept.double().mean().item() == pytest.approx(0.1, abs=0.002)
+    biased = RandomK(0.1, seed=1)
+    assert (biased.decompress(biased.compress(x)).abs() <= x.abs()).all()
+
+
+def test_stc_matches_its_definition():
+    x = _randn(10_000, 14)
+    k = 100
+    y = STC(0.01).decompress(STC(0.01).compress(x))
+    top = torch.argsort(x.abs(), descending=True)[:k]
+    mu = x[top].abs().mean()
+    expected = torch.zeros_like(x)
+    expected[top] = mu * torch.sign(x[top])
+    torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("numel", [1000, 100_000, 1_000_003], ids=lambda n: f"n{n}")
+def test_stc_golomb_positions_beat_raw_int32_indices(numel):
+    k = math.ceil(0.01 * numel)
+    payload = STC(0.01).compress(_randn(numel, 15))
+    assert payload.nbytes < 4 * k  # all of it, against the indices alone as int32
+    assert payload.nbytes <= STC(0.01).payload_nbytes(numel)
+
+
+def test_sign_is_scaled_by_the_mean_magnitude():
+    x = torch.tensor([0.5, -1.5, 0.0, 2.0, -1.0])
+    y = Sign().decompress(Sign().compress(x))
+    assert y.tolist() == [1.0, -1.0, 1.0, 1.0, -1.0]
+    x = _randn(1001, 16, torch.float64)
+    y = Sign().decompress(Sign().compress(x))
+    scale = x.abs().mean()
+    torch.testing.assert_close(y, torch.where(x < 0, -scale, scale))
+
+
+@pytest.mark.parametrize(
+    ("compressor", "dtype"), [(FP16(), torch.float16), (BF16(), torch.bfloat16)]
+)
+def test_casts_round_to_nearest(compressor, dtype):
+    x = _randn(1000, 17, torch.float64)
+    y = compressor.decompress(compressor.compress(x))
+    assert torch.equal(y, x.to(dtype).to(torch.float64))

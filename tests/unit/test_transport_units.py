@@ -1,0 +1,100 @@
+"""Single-process checks of the transport's pieces: payload bytes, headers, liveness, errors."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gossamer
+from gossamer.errors import CommunicationTimeout, PeerError, RankLostError
+from gossamer.transport import DTYPES, Header, as_bytes, from_bytes, get_liveness
+from gossamer.transport.failures import translate
+from gossamer.transport.liveness import Liveness
+from gossamer.transport.rejection import rejected_header
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 2)], ids=str)
+def test_payload_bytes_view_back_to_the_tensor(dtype, shape):
+    x = torch.arange(1, torch.Size(shape).numel() + 1).reshape(shape).to(dtype)
+    data = as_bytes(x)
+    assert data.dtype == torch.uint8 and data.numel() == x.numel() * dtype.itemsize
+    assert data.data_ptr() == x.data_ptr()  # a view: no copy
+    back = from_bytes(data.clone(), dtype, shape)
+    assert back.dtype == dtype and back.shape == x.shape
+    assert torch.equal(as_bytes(back), data)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_header_round_trip_for_every_dtype(dtype):
+    head = Header("neighbor_allreduce", dtype, (2, 3), seq=4, aux=5, value=0.25)
+    assert Header.decode(head.encode()) == head
+
+
+def test_rejected_header_carries_the_operation_the_rank_and_the_reason_length():
+    head = Header.decode(rejected_header("allreduce", "rank 2 rejected: é", origin=2).encode())
+    assert head.op == "rejected" and head.dtype == torch.uint8 and head.slot == 2
+    assert head.numel == len("rank 2 rejected: é".encode())
+
+
+@pytest.fixture
+def alive(monkeypatch):
+    monkeypatch.setattr("gossamer.transport.liveness.DEAD_AFTER_S", 0.3)
+    live = Liveness(dist.HashStore(), rank=0, size=4, store_host=None)
+    yield live
+    live.close()
+
+
+def test_a_rank_whose_counter_stops_is_lost_and_a_silent_one_is_not(alive):
+    store = alive._store
+    store.set("gossamer/alive/1", "1")
+    store.set("gossamer/alive/2", "1")  # rank 3 never wrote: not started, not lost
+    assert alive.check() == set()
+    time.sleep(0.2)
+    store.set("gossamer/alive/1", "2")
+    assert alive.check() == set()
+    time.sleep(0.2)
+    store.set("gossamer/alive/1", "3")
+    assert alive.check() == {2}
+    assert alive.lost == {2}
+
+
+def test_an_unreachable_store_means_its_host_is_lost():
+    live = Liveness(dist.HashStore(), rank=1, size=3, store_host=0)
+
+    class Gone:
+        def check(self, keys):
+            raise RuntimeError("Connection reset by peer")
+
+    live._store = Gone()
+    assert live.check() == {0}
+    live.close()
+
+
+@pytest.fixture
+def world_of_one():
+    gossamer.init()
+    yield
+    gossamer.shutdown()
+
+
+def test_gloo_errors_become_errors_that_name_the_lost_rank(world_of_one, alive):
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: reset")
+    alive.lost.add(3)
+    err = translate("allreduce", -1, reset, alive)
+    assert isinstance(err, RankLostError) and err.rank == 3 and err.ranks == [3]
+    assert str(err).startswith("allreduce: rank 3 was lost")
+    err = translate("allreduce", -1, reset, None)
+    assert type(err) is PeerError and "a peer closed its connection to rank 0" in str(err)
+    err = translate("x", 2, RuntimeError("Timed out waiting 5000ms"), None)
+    assert isinstance(err, CommunicationTimeout) and "waiting for rank 2" in str(err)
+
+
+def test_a_world_of_one_has_no_heartbeat(world_of_one):
+    assert get_liveness() is None
+
+
+def test_init_checks_the_store_argument():
+    with pytest.raises(TypeError, match=r"store must be a torch\.distributed\.Store"):
+        gossamer.init(store="file:///tmp/x")
