@@ -34,6 +34,7 @@ EXAMPLES_PER_RUN = {
     "collectives": 30,
     "windows": 30,
     "rejected_everywhere": 40,
+    "rejected_on_one_rank": 30,
 }
 
 
@@ -82,7 +83,9 @@ def _outcome(fn):
     try:
         return ("ok", fn())
     except Exception as err:
-        return ("error", type(err).__name__, isinstance(err, TypeError | ValueError), str(err))
+        is_value_or_type = isinstance(err, TypeError | ValueError)
+        # PeerArgumentError's rank: the rank that rejected its arguments.
+        return ("error", type(err).__name__, is_value_or_type, str(err), getattr(err, "rank", None))
 
 
 def _neighbor_allreduce(case):
@@ -425,9 +428,64 @@ def rejected_cases(draw):
 def test_rejected_on_every_rank_alike(case):
     results = on_ranks(_neighbor_allreduce, case, case["n"])
     assert len({tuple(r[:2]) for r in results}) == 1, results  # one error class everywhere
-    for status, name, is_value_or_type, message in results:
+    for status, name, is_value_or_type, message, _ in results:
         assert status == "error" and is_value_or_type, (name, message)
         assert any(word in message for word in DEFECTS[case["defect"]]), message
+
+
+# Defects a single rank can have while every rank asks for the graph check, which is an
+# allgather: the bad rank takes its part in it, carrying its reason, so every other rank
+# raises PeerArgumentError at once (no deadline) and the group stays usable.
+ONE_RANK_DEFECTS = {
+    "self_weight alone": ("self_weight", "src_weights"),
+    "src_weights key out of range": ("src_weights",),
+    "src_weights holds this rank": ("src_weights",),
+    "dst_weights holds this rank": ("dst_weights",),
+    "weight not finite": ("src_weights",),
+    "integer tensor": ("tensor",),
+    "topology of another size": ("topology",),
+    "async_op not a bool": ("async_op",),
+}
+
+
+@st.composite
+def one_bad_rank_cases(draw):
+    case = draw(dynamic_cases())
+    n, bad = case["n"], draw(st.integers(0, case["n"] - 1))
+    defect = draw(st.sampled_from(sorted(ONE_RANK_DEFECTS)))
+    kwargs = [dict(k, check_topology=True, async_op=False) for k in case["kwargs"]]
+    options = kwargs[bad]
+    if defect == "self_weight alone":
+        options = {"self_weight": 0.5, "check_topology": True}
+    elif defect == "src_weights key out of range":
+        options["src_weights"] = {**options["src_weights"], n: 0.5}
+    elif defect == "src_weights holds this rank":
+        options["src_weights"] = {**options["src_weights"], bad: 0.5}
+    elif defect == "dst_weights holds this rank":
+        options["dst_weights"] = [bad]
+    elif defect == "weight not finite":
+        options["src_weights"] = {**options["src_weights"], (bad + 1) % n: float("nan")}
+    elif defect == "integer tensor":
+        options["tensor"] = torch.ones(case["shape"], dtype=torch.int64)
+    elif defect == "topology of another size":
+        options["topology"] = Topology(np.eye(n + 1))
+    else:
+        options["async_op"] = "no"
+    kwargs[bad] = options
+    return {**case, "kwargs": kwargs, "bad": bad, "defect": defect}
+
+
+@settings(FUZZ, max_examples=EXAMPLES_PER_RUN["rejected_on_one_rank"])
+@given(case=one_bad_rank_cases())
+def test_rejected_on_one_rank_reaches_every_rank(case):
+    results = on_ranks(_neighbor_allreduce, case, case["n"])
+    for rank, (status, name, is_value_or_type, message, culprit) in enumerate(results):
+        assert status == "error", (rank, name, message)
+        if rank == case["bad"]:
+            assert is_value_or_type, (name, message)
+            assert any(w in message for w in ONE_RANK_DEFECTS[case["defect"]]), message
+        else:
+            assert name == "PeerArgumentError" and culprit == case["bad"], (name, message)
 
 
 def test_examples_per_run():
