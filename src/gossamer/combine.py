@@ -38,9 +38,14 @@ def weighted_sum(
     The uniform case is ``(x + sum_s received[s]) / (k + 1)`` over every received tensor:
     sum first, then divide, which is exact where multiplying by ``1/(k+1)`` would round
     (BlueFog computes it this way). Sources are added in ascending rank order. float16 and
-    bfloat16 are combined in float32; the result has ``x``'s dtype and never aliases ``x``.
+    bfloat16 are combined in float32, integers in float64 (then truncated toward zero); the
+    result has ``x``'s dtype and never aliases ``x``.
     """
     wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    if not (wide.is_floating_point or wide.is_complex):
+        # Integer windows: combine in float64 (an in-place division of an integer tensor
+        # fails), then truncate back, as the weighted path's cast does.
+        wide = torch.float64
     if weights is None:
         sources = sorted(received)
         # The first addition allocates the output, saving a separate copy of x.

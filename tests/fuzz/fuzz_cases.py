@@ -10,6 +10,7 @@ whose message names one of the bad arguments. :func:`verdict` checks both.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 __all__ = [
+    "EXAMPLES",
     "FUZZ",
     "Arg",
     "bad",
@@ -33,13 +35,20 @@ __all__ = [
 ]
 
 # Reproducible and cheap: the same examples on every run, no example database on disk, no
-# per-example deadline (the ranks share two cores with other tests).
+# per-example deadline (the ranks share two cores with other tests). 60 examples unless a
+# fuzzer asks for more or fewer.
 FUZZ = settings(
+    max_examples=60,
     deadline=None,
     derandomize=True,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+
+
+# Examples run per fuzzer in this process: the fuzzers that run inside rank processes
+# report it back, so a test can check that the search really ran.
+EXAMPLES: Counter[str] = Counter()
 
 
 @dataclass(frozen=True)
@@ -98,10 +107,11 @@ def bad_int(
     return st.one_of(options)
 
 
-def bad_float() -> st.SearchStrategy[Arg]:
-    """Not a real number (bools included), or not finite."""
+def bad_float(*, none_ok: bool = False) -> st.SearchStrategy[Arg]:
+    """Not a real number (bools included), or not finite; ``none_ok`` as for :func:`bad_int`."""
+    wrong = _WRONG_TYPE.filter(lambda v: v is not None) if none_ok else _WRONG_TYPE
     return st.one_of(
-        bad(_WRONG_TYPE | st.booleans(), "not a real number"),
+        bad(wrong | st.booleans(), "not a real number"),
         bad(st.sampled_from([math.nan, math.inf, -math.inf]), "not finite"),
     )
 

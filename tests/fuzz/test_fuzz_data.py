@@ -8,7 +8,7 @@ ValueError naming the argument.
 import numpy as np
 import torch
 from fuzz_cases import FUZZ, Arg, bad, bad_int, call, flag, good, mostly, verdict
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gossamer import data
@@ -73,7 +73,7 @@ def test_iid(labels, data_, seed):
     assert partition == data.iid(labels.value, num_parts.value, seed.value)
 
 
-@settings(FUZZ, max_examples=60)
+@FUZZ
 @given(
     labels=labels_arg(),
     data_=st.data(),

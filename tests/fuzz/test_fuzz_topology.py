@@ -97,11 +97,16 @@ def bad_weight_matrices(draw):
         rows[i] = rows[i] + [1.0]
         return Arg(rows, "ragged")
     else:
-        return Arg(draw(st.sampled_from([None, "1", 1.0, {0: 1.0}, [[None]], [["a"]]])), "type")
+        texts = [[["0.5"]], [[1.0, "0"], [0, 1]], np.array([["1"]])]
+        return Arg(
+            draw(st.sampled_from([None, "1", 1.0, {0: 1.0}, [[None]], [["a"]], *texts])), "type"
+        )
     return Arg(rows, kind)
 
 
 @FUZZ
+# Found by this fuzzer: numpy parsed text entries as numbers, so [["0.5"]] was accepted.
+@example(weights=Arg([["0.5"]], "text"), name=Arg(""))
 @given(
     weights=mostly(weight_matrices(), bad_weight_matrices(), 3),
     name=mostly(good(st.text(max_size=8)), bad(st.sampled_from([None, 1, b"x"]), "not a str")),

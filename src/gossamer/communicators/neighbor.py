@@ -6,8 +6,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from gossamer import ops
+from gossamer import context, ops
 from gossamer.communicators.base import Communicator, Pending
+from gossamer.errors import TopologyError
+from gossamer.fusion import Bucket
 from gossamer.topology import Step, Topology
 
 __all__ = ["HierarchicalNeighborAllreduce", "NeighborAllreduce"]
@@ -91,6 +93,18 @@ class NeighborAllreduce(Scheduled):
         self.src_weights: Mapping[int, float] | None = None
         self.dst_weights: Mapping[int, float] | Sequence[int] | None = None
         self.check_topology = False
+
+    def bind(self, buckets: Sequence[Bucket]) -> None:
+        """Check the topology against the world when the optimizer is built.
+
+        Raises:
+            TopologyError: ``topology`` is not over ``gossamer.size()`` ranks (otherwise the
+                first communication would raise, or never, in a world of one).
+        """
+        if self.topology is not None and self.topology.size != context.size():
+            raise TopologyError(
+                f"topology has {self.topology.size} ranks but the world has {context.size()}"
+            )
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         explicit = (self.self_weight, self.src_weights, self.dst_weights)

@@ -22,6 +22,7 @@ from gossamer.transport import (
     DTYPES,
     Handle,
     as_bytes,
+    check_flag,
     check_rank,
     check_tensor,
     from_bytes,
@@ -99,10 +100,10 @@ def _result(tensor: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Ten
 
 def _allreduce(tensor, average, group, async_op, inplace) -> torch.Tensor | Handle:
     try:
-        if not isinstance(average, bool):
-            raise TypeError(f"allreduce: average must be a bool; got {average!r}")
+        check_flag(average, "average", "allreduce")
         check_tensor(tensor, AVERAGING_DTYPES if average else _SUM_DTYPES, "allreduce")
         group_rank(group)
+        check_flag(async_op, "async_op", "allreduce")
     except (TypeError, ValueError) as err:
         _reject("allreduce", err, group)
         raise
@@ -165,6 +166,7 @@ def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
     try:
         check_tensor(tensor, _ANY_DTYPE, "broadcast")
         check_rank(root, "root", group_size(group))
+        check_flag(async_op, "async_op", "broadcast")
     except (TypeError, ValueError) as err:
         _reject("broadcast", err, group)
         raise
@@ -234,6 +236,7 @@ def allgather(
         if tensor.dim() == 0:
             raise ValueError("allgather: tensor must have at least one dimension; got a scalar")
         group_rank(group)
+        check_flag(async_op, "async_op", "allgather")
     except (TypeError, ValueError) as err:
         _reject("allgather", err, group)
         raise
@@ -284,6 +287,7 @@ def alltoall(
             f"alltoall: tensor dim 0 must be a multiple of the group size {size}; "
             f"got shape {tuple(tensor.shape)}"
         )
+    check_flag(async_op, "async_op", "alltoall")
 
     def body() -> torch.Tensor:
         transport.check_same_call("alltoall", tensor, group)
@@ -299,6 +303,7 @@ def alltoall(
 def barrier(*, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle | None:
     """Block until every rank of ``group`` has called ``barrier``."""
     group_rank(group)
+    check_flag(async_op, "async_op", "barrier")
 
     def body() -> None:
         transport.wait_works("barrier", [(-1, dist.barrier(group=group, async_op=True))])

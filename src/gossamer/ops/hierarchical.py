@@ -35,6 +35,7 @@ from gossamer.profiling import timeline
 from gossamer.transport import (
     AVERAGING_DTYPES,
     Handle,
+    check_flag,
     check_rank_list,
     check_tensor,
     check_weight,
@@ -113,6 +114,7 @@ def hierarchical_neighbor_allreduce(
     op = "hierarchical_neighbor_allreduce"
     try:
         sw, weights, dsts = _plan(op, tensor, self_weight, src_machine_weights, dst_machine_weights)
+        check_flag(async_op, "async_op", op)
     except (TypeError, ValueError) as err:
         _reject(op, err, tensor, src_machine_weights, dst_machine_weights)
         raise

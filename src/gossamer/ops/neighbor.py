@@ -22,6 +22,7 @@ from gossamer.transport import (
     AVERAGING_DTYPES,
     DTYPES,
     Handle,
+    check_flag,
     check_rank,
     check_rank_list,
     check_tensor,
@@ -166,6 +167,9 @@ def _allreduce_plan(
         raise ValueError(f"{op}: self_weight and src_weights must be given together")
     if dst_weights is not None and src_weights is None:
         raise ValueError(f"{op}: dst_weights (dynamic mode) needs self_weight and src_weights")
+    if topology is not None:
+        # Also in dynamic mode, which does not use it: a wrong one must not pass unnoticed.
+        transport.check_topology(topology, group, "topology")
     if dst_weights is not None:
         sw = check_weight(self_weight, "self_weight")
         weights = check_weights(src_weights, "src_weights", size, me)
@@ -244,8 +248,8 @@ def neighbor_allreduce(
         sw, weights, sources, dsts = _allreduce_plan(
             op, tensor, self_weight, src_weights, dst_weights, topology, group
         )
-        if not isinstance(check_topology, bool):
-            raise TypeError(f"{op}: check_topology must be a bool; got {check_topology!r}")
+        check_flag(check_topology, "check_topology", op)
+        check_flag(async_op, "async_op", op)
     except (TypeError, ValueError) as err:
         explicit = dst_weights is not None
         peers = _named_peers(topology, src_weights, dst_weights, group, explicit)
@@ -299,6 +303,11 @@ def neighbor_allgather(
         size, me = group_size(group), group_rank(group)
         if (src_ranks is None) != (dst_ranks is None):
             raise ValueError(f"{op}: src_ranks and dst_ranks must be given together")
+        check_flag(check_topology, "check_topology", op)
+        check_flag(async_op, "async_op", op)
+        if topology is not None:
+            # Also in dynamic mode, which does not use it: a wrong one must not pass unnoticed.
+            transport.check_topology(topology, group, "topology")
         if src_ranks is None:
             graph = _topology_for(topology, group)
             sources, dsts = list(graph.in_neighbors(me)), list(graph.out_neighbors(me))
@@ -354,6 +363,7 @@ def pair_gossip(
             weights = {target: check_weight(pair_weight, "pair_weight")}
         else:
             sw = None
+        check_flag(async_op, "async_op", op)
     except (TypeError, ValueError) as err:
         _reject(op, err, tensor, group, False, _named_peers(None, [target], [target], group, True))
         raise

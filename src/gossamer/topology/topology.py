@@ -49,11 +49,22 @@ def as_finite_matrix(value: Any, name: str, what: str) -> np.ndarray:
     return arr
 
 
+def _holds_text(value: Any) -> bool:
+    """Whether nested lists (or an array) hold strings, which numpy would parse as numbers."""
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind in "US"
+    if isinstance(value, list | tuple):
+        return any(isinstance(v, str | bytes) or _holds_text(v) for v in value)
+    return False
+
+
 def as_weight_matrix(weights: Any, name: str) -> np.ndarray:
     """Return a float64 copy of ``weights`` after checking it is a valid weight matrix."""
     # numpy would quietly turn None into NaN and "1" into 1.0.
     if weights is None or isinstance(weights, str | bytes):
         raise TypeError(f"{name} must be a matrix of numbers; got {weights!r}")
+    if _holds_text(weights):
+        raise TypeError(f"{name} must be a matrix of numbers; got text entries: {weights!r:.80}")
     try:
         arr = np.array(weights, dtype=np.float64, copy=True)
     except (TypeError, ValueError) as exc:

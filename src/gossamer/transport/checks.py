@@ -14,6 +14,7 @@ from gossamer.topology import Topology
 
 __all__ = [
     "AVERAGING_DTYPES",
+    "check_flag",
     "check_rank",
     "check_rank_list",
     "check_tensor",
@@ -45,6 +46,13 @@ def check_tensor(tensor: object, dtypes: Collection[torch.dtype], op: str) -> to
     if tensor.is_sparse:
         raise TypeError(f"{op}: sparse tensors are not supported")
     return tensor
+
+
+def check_flag(value: object, name: str, op: str) -> bool:
+    """Return ``value`` if it is a bool: a truthy ``async_op="no"`` must not pass as True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool; got {value!r}")
+    return value
 
 
 def check_rank(value: object, name: str, size: int) -> int:

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from gossamer import context, transport
-from gossamer.combine import weighted_sum
+from gossamer.combine import is_uniform, weighted_sum
 from gossamer.errors import WindowError
 from gossamer.ops.defaults import get_topology
 from gossamer.topology import Topology
-from gossamer.transport import Handle, check_rank, check_weight, check_weights
+from gossamer.transport import Handle, check_flag, check_rank, check_weight, check_weights
 from gossamer.windows.locks import local_locks, remote_locks
 from gossamer.windows.registry import registry
 from gossamer.windows.requests import issue
@@ -88,6 +88,8 @@ class Window:
             )
         if name is not None and not isinstance(name, str):
             raise TypeError(f"Window.create: name must be a str; got {name!r}")
+        check_flag(zero_init, "zero_init", "Window.create")
+        check_flag(push_sum, "push_sum", "Window.create")
         windows = registry()
         if name in windows.windows:
             raise ValueError(f"Window.create: a window named {name!r} already exists")
@@ -250,18 +252,30 @@ class Window:
             )
         dsts = self._targets(dst_weights, what)
         sw = None if self_weight is None else check_weight(self_weight, "self_weight")
+        check_flag(require_mutex, "require_mutex", what)
+        check_flag(async_op, "async_op", what)
         me, n = context.rank(), context.size()
         host = x.detach().to("cpu").contiguous()
         p = state.p
         requests = [
-            (dst, kind, host if w == 1.0 else host * w, w * p if state.push_sum else 0.0)
+            # Cast back: an integer window scaled by a float weight would otherwise send a
+            # float payload, which the target refuses (dtype mismatch).
+            (
+                dst,
+                kind,
+                host if w == 1.0 else (host * w).to(host.dtype),
+                w * p if state.push_sum else 0.0,
+            )
             for dst, w in sorted(dsts.items(), key=lambda d: (d[0] - me) % n)  # clockwise
         ]
 
         def finish() -> None:
             if sw is not None and sw != 1.0:
                 with torch.no_grad():
-                    x.mul_(sw)
+                    if x.is_floating_point():
+                        x.mul_(sw)
+                    else:  # an integer tensor cannot take a float in place: scale, truncate
+                        x.copy_(x * sw)
                 if state.push_sum:
                     state.p *= sw
 
@@ -332,6 +346,8 @@ class Window:
                 src_weights, "src_weights", n, me, self.in_neighbors, "in-neighbours"
             )
         )
+        check_flag(require_mutex, "require_mutex", what)
+        check_flag(async_op, "async_op", what)
 
         def finish() -> None:
             with state.lock:
@@ -368,6 +384,8 @@ class Window:
         me, n = context.rank(), context.size()
         if (self_weight is None) != (src_weights is None):
             raise ValueError("Window.update: self_weight and src_weights must be given together")
+        for flag, value in (("reset", reset), ("clone", clone), ("require_mutex", require_mutex)):
+            check_flag(value, flag, "Window.update")
         if src_weights is None:
             sw, weights = self._topology.recv_weights(me)
         else:
@@ -375,9 +393,9 @@ class Window:
             weights = check_weights(
                 src_weights, "src_weights", n, me, self.in_neighbors, "in-neighbours"
             )
-        uniform = src_weights is None and all(
-            w == sw == 1.0 / (len(weights) + 1) for w in weights.values()
-        )
+        # Not all(...) over the weights alone: with no in-neighbours that is vacuously true
+        # and would drop a self weight other than 1.
+        uniform = src_weights is None and is_uniform(sw, weights, self.in_neighbors)
         slots = sorted(weights) if require_mutex else []
         with local_locks(registry().service, state, slots), state.lock:
             x = state.tensor
@@ -420,6 +438,7 @@ class Window:
         takes). Waiters are served first come, first served.
         """
         me, n = context.rank(), context.size()
+        check_flag(for_self, "for_self", "Window.mutex")
         chosen = (
             list(self.out_neighbors)
             if ranks is None
