@@ -12,6 +12,7 @@ class                              one round
 ``NoCommunication``                nothing (or only the periodic global average)
 ``CompressedAllreduce``            global average through a compressor (scatter-reduce-gather)
 ``ChocoGossip``                    compressed neighbour averaging with public copies (CHOCO)
+``NonlinearGossip``                :math:`x_i` += eps sum_j w_ji phi(x_j - x_i), phi sign-power
 =================================  =========================================================
 
 Optimizers take a communicator object (``communicator=NeighborAllreduce(schedule=...)``);
@@ -28,6 +29,7 @@ from gossamer.communicators.collective import Allreduce, NoCommunication
 from gossamer.communicators.compressed import CompressedAllreduce
 from gossamer.communicators.moshpit import MoshpitAverage, grid_groups, near_cubic_grid
 from gossamer.communicators.neighbor import HierarchicalNeighborAllreduce, NeighborAllreduce
+from gossamer.communicators.nonlinear import NonlinearGossip, sign_power
 from gossamer.communicators.window import PushSumGossip, WindowPutGossip
 from gossamer.compression import Compressor, get_compressor
 from gossamer.topology import Step, Topology
@@ -44,6 +46,7 @@ __all__ = [
     "MoshpitAverage",
     "NeighborAllreduce",
     "NoCommunication",
+    "NonlinearGossip",
     "Pending",
     "PushSumGossip",
     "WindowPutGossip",
@@ -51,6 +54,7 @@ __all__ = [
     "grid_groups",
     "make",
     "near_cubic_grid",
+    "sign_power",
 ]
 
 #: every pattern by name
@@ -66,6 +70,7 @@ COMMUNICATORS: dict[str, type[Communicator]] = {
         CompressedAllreduce,
         ChocoGossip,
         MoshpitAverage,
+        NonlinearGossip,
     )
 }
 #: the names an optimizer's ``communication=`` accepts
