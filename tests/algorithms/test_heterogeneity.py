@@ -35,12 +35,15 @@ def _model(rank):
     return model
 
 
+_DATA = {}
+
+
 def _grad(w, rank):
-    """Gradient of rank's least-squares loss at weight w (1 x 5)."""
-    w = w.detach().clone().requires_grad_(True)
-    A, b = least_squares_data(rank)
-    (((A @ w.T).squeeze(1) - b) ** 2).mean().div(2).backward()
-    return w.grad
+    """Gradient of rank's least-squares loss mean((A w - b)^2) / 2 at weight w (1 x 5)."""
+    if rank not in _DATA:
+        _DATA[rank] = least_squares_data(rank)
+    A, b = _DATA[rank]
+    return ((A @ w.reshape(-1) - b) @ A / len(b)).reshape(1, -1)
 
 
 class _Momentum:
@@ -64,18 +67,18 @@ def _mix(W, xs):
 
 
 # ---------------------------------------------------------------- D-Cliques
-def _dcliques(n):
-    if n == 4:
-        return topo.d_cliques([[1, 0], [0, 1], [1, 0], [0, 1]], 2)
-    return [[0, 2], [1]]
+def _dcliques(as_list):
+    if as_list:  # with singleton cliques, which exchange no gradients
+        return [[0, 2], [1], [3]]
+    return topo.d_cliques([[1, 0], [0, 1], [1, 0], [0, 1]], 2)
 
 
-def _run_cliques(steps):
+def _run_cliques(steps, as_list):
     n, r = gossamer.size(), gossamer.rank()
     A, b = least_squares_data(r)
     model = _model(r)
-    cliques = _dcliques(n)
-    kwargs = {} if n == 4 else {"topology": topo.ring(n)}
+    cliques = _dcliques(as_list)
+    kwargs = {"topology": topo.ring(n)} if as_list else {}
     opt = optim.CliqueAveraging(_sgd(model), model, cliques, **kwargs)
     out = []
     for _ in range(steps):
@@ -87,12 +90,12 @@ def _run_cliques(steps):
     return out
 
 
-def _simulate_cliques(n, steps):
-    cliques = _dcliques(n)
-    if n == 4:
-        W, members = cliques.topology.weights, cliques.cliques
-    else:
+def _simulate_cliques(n, steps, as_list):
+    cliques = _dcliques(as_list)
+    if as_list:
         W, members = topo.ring(n).weights, cliques
+    else:
+        W, members = cliques.topology.weights, cliques.cliques
     clique = {i: c for c in members for i in c}
     xs, mom, out = [_start(i) for i in range(n)], _Momentum(n), []
     for _ in range(steps):
@@ -103,10 +106,11 @@ def _simulate_cliques(n, steps):
     return out
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
-def test_clique_averaging_matches_the_one_process_simulation(world_size):
-    got = run_distributed(_run_cliques, world_size, args=(STEPS,))
-    want = _simulate_cliques(world_size, STEPS)
+@pytest.mark.parametrize("as_list", [False, True])
+def test_clique_averaging_matches_the_one_process_simulation(as_list):
+    world_size = 4
+    got = run_distributed(_run_cliques, world_size, args=(STEPS, as_list))
+    want = _simulate_cliques(world_size, STEPS, as_list)
     for k in range(STEPS):
         for i in range(world_size):
             torch.testing.assert_close(got[i][k], want[k][i], msg=f"step {k} rank {i}")
@@ -155,7 +159,7 @@ def _simulate_ngc(n, steps, compression, alpha):
 
 @pytest.mark.parametrize(
     ("world_size", "compression", "alpha"),
-    [(2, None, None), (4, None, 0.3), (4, "sign", None), (3, "topk:0.4", 0.5)],
+    [(2, None, None), (4, None, 0.3), (4, "sign", None), (2, "topk:0.4", 0.5)],
 )
 def test_ngc_matches_the_one_process_simulation(world_size, compression, alpha):
     got = run_distributed(_run_ngc, world_size, args=(STEPS, compression, alpha))
@@ -163,7 +167,7 @@ def test_ngc_matches_the_one_process_simulation(world_size, compression, alpha):
     for k in range(STEPS):
         for i in range(world_size):
             torch.testing.assert_close(got[i][0][k], want[k][i], msg=f"step {k} rank {i}")
-    degree = 1 if world_size == 2 else 2
+    degree = 1 if world_size == 2 else 2  # ring(2) is one edge
     per_message = get_compressor(compression).payload_nbytes(5, torch.float64)
     for _, sent in got:
         assert sent["models"] == STEPS * degree * 5 * 8
@@ -177,14 +181,14 @@ def _ngc_reaches_agreement(compression):
     kind = optim.NGC if compression is None else optim.CompNGC
     sgd = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
     opt = kind(sgd, model, topology=topo.ring(n))
-    for _ in range(300):
+    for _ in range(100):
         opt.step(lambda: least_squares_loss(model, A, b))
     return model.weight.detach().clone()
 
 
 def test_compressed_ngc_converges_like_ngc():
-    plain = run_distributed(_ngc_reaches_agreement, 4, args=(None,))
-    signed = run_distributed(_ngc_reaches_agreement, 4, args=("sign",))
+    plain = run_distributed(_ngc_reaches_agreement, 2, args=(None,))
+    signed = run_distributed(_ngc_reaches_agreement, 2, args=("sign",))
     center = torch.stack(plain).mean(0)
     for w in signed:
         assert (w - center).norm() < 0.05 * center.norm()
@@ -246,7 +250,7 @@ def _simulate_dacfl(n, steps, dynamic, lr=LR, momentum=MOMENTUM):
     return out
 
 
-@pytest.mark.parametrize(("world_size", "dynamic"), [(3, False), (4, True)])
+@pytest.mark.parametrize(("world_size", "dynamic"), [(2, False), (4, True)])
 def test_dacfl_matches_the_one_process_simulation(world_size, dynamic):
     got = run_distributed(_run_dacfl, world_size, args=(STEPS, dynamic))
     want = _simulate_dacfl(world_size, STEPS, dynamic)
@@ -348,7 +352,7 @@ def test_nonlinear_gossip_with_power_one_is_neighbour_averaging():
 def test_nonlinear_gossip_settles_in_the_documented_band_around_the_average():
     """With p < 1 discrete rounds chatter in a band of width <= (2 eps sum_j w_ji)^(1/(1-p))
     (measured: an eighth of it on ring(4)); the band shrinks like eps^(1/(1-p))."""
-    n, rounds, p = 4, 40, 0.5
+    n, rounds, p = 4, 60, 0.5
     start = sum(_value(i) for i in range(n)) / n
     spreads = {}
     for eps in (0.5, 0.1):
