@@ -481,3 +481,20 @@ def _argument_errors():
 
 def test_bad_arguments_raise_naming_the_argument():
     assert run_distributed(_argument_errors, 2) == [True, True]
+
+
+def _ngo_by_name():
+    model = _model(gossamer.rank())
+    opt = optim.AdaptThenCombine(
+        _sgd(model), model, communication="nonlinear_gossip", topology=topo.ring(2)
+    )
+    comm = opt.communicator
+    with pytest.raises(ValueError, match="no compressed form"):
+        optim.AdaptThenCombine(
+            _sgd(model), model, communication="nonlinear_gossip", compression="sign"
+        )
+    return type(comm).__name__, comm.topology == topo.ring(2), comm.power, comm.step_size
+
+
+def test_nonlinear_gossip_is_an_optimizer_communication_option():
+    assert run_distributed(_ngo_by_name, 2) == [("NonlinearGossip", True, 0.5, 0.5)] * 2

@@ -74,7 +74,13 @@ COMMUNICATORS: dict[str, type[Communicator]] = {
     )
 }
 #: the names an optimizer's ``communication=`` accepts
-COMMUNICATIONS = ("neighbor_allreduce", "hierarchical_neighbor_allreduce", "allreduce", "none")
+COMMUNICATIONS = (
+    "neighbor_allreduce",
+    "hierarchical_neighbor_allreduce",
+    "allreduce",
+    "none",
+    "nonlinear_gossip",
+)
 
 
 def make(
@@ -88,7 +94,9 @@ def make(
 ) -> Communicator:
     """The communicator that ``communication`` names, built from the optimizer options.
 
-    ``topology`` applies to ``"neighbor_allreduce"``; ``schedule`` to the neighbour patterns.
+    ``topology`` applies to ``"neighbor_allreduce"`` and ``"nonlinear_gossip"`` (NGO with its
+    default ``power`` and ``step_size``; build :class:`NonlinearGossip` for others);
+    ``schedule`` to the neighbour patterns.
     With a ``compression`` other than ``"none"``, neighbour averaging becomes
     :class:`ChocoGossip` and ``allreduce`` :class:`CompressedAllreduce` (``error_feedback``
     applies to the latter; CHOCO's public copies already compensate the error).
@@ -121,6 +129,8 @@ def make(
         )
     if communication == "neighbor_allreduce":
         return NeighborAllreduce(topology, schedule=schedule, **every)
+    if communication == "nonlinear_gossip":
+        return NonlinearGossip(topology, schedule=schedule, **every)
     if communication == "hierarchical_neighbor_allreduce":
         return HierarchicalNeighborAllreduce(schedule=schedule, **every)
     return COMMUNICATORS[communication](**every)
