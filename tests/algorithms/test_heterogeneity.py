@@ -498,3 +498,17 @@ def _ngo_by_name():
 
 def test_nonlinear_gossip_is_an_optimizer_communication_option():
     assert run_distributed(_ngo_by_name, 2) == [("NonlinearGossip", True, 0.5, 0.5)] * 2
+
+
+def _clique_defaults():
+    n, r = gossamer.size(), gossamer.rank()
+    model = _model(r)
+    dc = _dcliques(False)
+    by_default = optim.CliqueAveraging(_sgd(model), model, dc).communicator
+    schedule = topo.one_peer_exponential(topo.exponential_two(n), r)
+    scheduled = optim.CliqueAveraging(_sgd(model), model, dc, schedule=schedule).communicator
+    return by_default.topology == dc.topology, scheduled.schedule is schedule
+
+
+def test_clique_averaging_defaults_to_the_d_cliques_graph_unless_given_a_schedule():
+    assert run_distributed(_clique_defaults, 4) == [(True, True)] * 4

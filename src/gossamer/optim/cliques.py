@@ -29,6 +29,12 @@ from gossamer.topology import DCliques, Topology
 
 __all__ = ["CliqueAveraging", "check_cliques"]
 
+_TAKE_TOPOLOGY = (None, "neighbor_allreduce", "nonlinear_gossip")
+
+
+def _given(kwargs: dict, *names: str) -> bool:
+    return any(kwargs.get(name) is not None for name in names)
+
 
 def check_cliques(cliques: object, size: int) -> tuple[tuple[int, ...], ...]:
     """``cliques`` as sorted rank tuples, or an error if they do not partition ``0..size-1``.
@@ -77,7 +83,8 @@ class CliqueAveraging(AdaptThenCombine):
             :func:`gossamer.topology.d_cliques`, or the cliques as rank lists that together
             partition the ranks.
         topology (Topology, optional): the graph of the parameter averaging; default: the
-            D-Cliques topology when ``cliques`` is a ``DCliques``, else the group's default.
+            D-Cliques topology when ``cliques`` is a ``DCliques`` (unless a ``communicator``
+            or a ``schedule`` is given), else the group's default.
         **kwargs: the options of :class:`AdaptThenCombine` (``communicator``,
             ``num_steps_per_communication``, ``exact_diffusion``, ...). The clique average
             of the gradients happens at every step.
@@ -105,7 +112,13 @@ class CliqueAveraging(AdaptThenCombine):
     ) -> None:
         size = context.size()
         if isinstance(cliques, DCliques):
-            if topology is None and kwargs.get("communicator") is None:
+            # The D-Cliques graph is the default only where the pattern takes a topology.
+            takes_topology = kwargs.get("communication") in _TAKE_TOPOLOGY
+            if (
+                topology is None
+                and takes_topology
+                and not _given(kwargs, "communicator", "schedule")
+            ):
                 topology = cliques.topology
             cliques = cliques.cliques
         self.cliques = check_cliques(cliques, size)
