@@ -264,6 +264,13 @@ class NGC(DecentralizedOptimizer):
             mix = mix + theirs[j][index] * w
         return mix
 
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({type(self.optimizer).__name__}, "
+            f"{self.topology.name or 'topology'}, compression={self.compressor.name!r}, "
+            f"{len(self.buckets)} buckets)"
+        )
+
     # ------------------------------------------------------------------ state
     def _comm_state(self) -> dict:
         residuals = {} if self.error_feedback is None else self.error_feedback.state_dict()
