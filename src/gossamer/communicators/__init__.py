@@ -12,6 +12,7 @@ class                              one round
 ``NoCommunication``                nothing (or only the periodic global average)
 ``CompressedAllreduce``            global average through a compressor (scatter-reduce-gather)
 ``ChocoGossip``                    compressed neighbour averaging with public copies (CHOCO)
+``NonlinearGossip``                :math:`x_i` += eps sum_j w_ji phi(x_j - x_i), phi sign-power
 =================================  =========================================================
 
 Optimizers take a communicator object (``communicator=NeighborAllreduce(schedule=...)``);
@@ -28,6 +29,7 @@ from gossamer.communicators.collective import Allreduce, NoCommunication
 from gossamer.communicators.compressed import CompressedAllreduce
 from gossamer.communicators.moshpit import MoshpitAverage, grid_groups, near_cubic_grid
 from gossamer.communicators.neighbor import HierarchicalNeighborAllreduce, NeighborAllreduce
+from gossamer.communicators.nonlinear import NonlinearGossip, sign_power
 from gossamer.communicators.window import PushSumGossip, WindowPutGossip
 from gossamer.compression import Compressor, get_compressor
 from gossamer.topology import Step, Topology
@@ -44,6 +46,7 @@ __all__ = [
     "MoshpitAverage",
     "NeighborAllreduce",
     "NoCommunication",
+    "NonlinearGossip",
     "Pending",
     "PushSumGossip",
     "WindowPutGossip",
@@ -51,6 +54,7 @@ __all__ = [
     "grid_groups",
     "make",
     "near_cubic_grid",
+    "sign_power",
 ]
 
 #: every pattern by name
@@ -66,10 +70,17 @@ COMMUNICATORS: dict[str, type[Communicator]] = {
         CompressedAllreduce,
         ChocoGossip,
         MoshpitAverage,
+        NonlinearGossip,
     )
 }
 #: the names an optimizer's ``communication=`` accepts
-COMMUNICATIONS = ("neighbor_allreduce", "hierarchical_neighbor_allreduce", "allreduce", "none")
+COMMUNICATIONS = (
+    "neighbor_allreduce",
+    "hierarchical_neighbor_allreduce",
+    "allreduce",
+    "none",
+    "nonlinear_gossip",
+)
 
 
 def make(
@@ -83,7 +94,9 @@ def make(
 ) -> Communicator:
     """The communicator that ``communication`` names, built from the optimizer options.
 
-    ``topology`` applies to ``"neighbor_allreduce"``; ``schedule`` to the neighbour patterns.
+    ``topology`` applies to ``"neighbor_allreduce"`` and ``"nonlinear_gossip"`` (NGO with its
+    default ``power`` and ``step_size``; build :class:`NonlinearGossip` for others);
+    ``schedule`` to the neighbour patterns.
     With a ``compression`` other than ``"none"``, neighbour averaging becomes
     :class:`ChocoGossip` and ``allreduce`` :class:`CompressedAllreduce` (``error_feedback``
     applies to the latter; CHOCO's public copies already compensate the error).
@@ -116,6 +129,8 @@ def make(
         )
     if communication == "neighbor_allreduce":
         return NeighborAllreduce(topology, schedule=schedule, **every)
+    if communication == "nonlinear_gossip":
+        return NonlinearGossip(topology, schedule=schedule, **every)
     if communication == "hierarchical_neighbor_allreduce":
         return HierarchicalNeighborAllreduce(schedule=schedule, **every)
     return COMMUNICATORS[communication](**every)

@@ -8,14 +8,20 @@ class                      what a step does
 ``GradientAllreduce``      average gradients over all ranks during backward, then step
 ``WindowPut``              asynchronous: put parameters to neighbours' windows, combine
 ``PushSum``                asynchronous push-sum SGD, also on directed graphs
+``CliqueAveraging``        average gradients in the D-Clique, momentum step, then combine
+``NGC`` / ``CompNGC``      mix self- and cross-gradients (neighbours' data at this model)
+``DACFL``                  local training; dynamic average consensus tracks the mean model
 =========================  ==============================================================
 """
 
 from __future__ import annotations
 
 from gossamer.optim.base import COMMUNICATIONS, Communicator, DecentralizedOptimizer
+from gossamer.optim.cliques import CliqueAveraging
 from gossamer.optim.combine import AdaptThenCombine, AdaptWithCombine
+from gossamer.optim.dacfl import DACFL
 from gossamer.optim.gradient_allreduce import GradientAllreduce
+from gossamer.optim.ngc import NGC, CompNGC
 from gossamer.optim.utils import (
     allreduce_parameters,
     broadcast_optimizer_state,
@@ -26,9 +32,13 @@ from gossamer.optim.window import PushSum, WindowPut
 
 __all__ = [
     "COMMUNICATIONS",
+    "DACFL",
+    "NGC",
     "AdaptThenCombine",
     "AdaptWithCombine",
+    "CliqueAveraging",
     "Communicator",
+    "CompNGC",
     "DecentralizedOptimizer",
     "GradientAllreduce",
     "PushSum",

@@ -64,6 +64,8 @@ OPS = (
     "window.stop",
     "alltoall",
     "compressed_gossip",
+    # Neighbourhood gradient clustering: a gradient computed for one neighbour's model.
+    "cross_gradient",
     # A rank that rejected its arguments sends this instead of its call (transport.rejection).
     "rejected",
 )
