@@ -66,6 +66,12 @@ OPS = (
     "compressed_gossip",
     # A rank that rejected its arguments sends this instead of its call (transport.rejection).
     "rejected",
+    "reduce",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "alltoall_v",
+    "point_to_point",
 )
 
 
