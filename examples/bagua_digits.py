@@ -15,7 +15,15 @@ CUDA is available, on the rank's GPU (NCCL). Every rank trains on its
 ``DistributedSampler`` shard with a per-rank batch of ``--batch-size / world size``; rank 0
 prints the test loss and accuracy of its model after every epoch, and at the end the test
 accuracy of every rank's model (decentralized and asynchronous algorithms leave them
-slightly different).
+slightly different). Dropout draws differ between ranks (Bagua's example seeds CUDA with
+``666 + rank``); QAdam takes its own ``--qadam-lr`` (Adam's 1e-3; Bagua's example passes
+Adadelta's 1.0) and ``--qadam-warmup-steps``.
+
+On one host, Bagua's default ``hierarchical=True`` (ByteGrad, both decentralized
+algorithms, QAdam) averages exactly inside the machine, so nothing is compressed or
+gossiped; ``GOSSAMER_NODES_PER_MACHINE=1`` makes every rank a machine::
+
+    GOSSAMER_NODES_PER_MACHINE=1 gossamer run -np 4 examples/bagua_digits.py --algorithm qadam
 """
 
 from __future__ import annotations
@@ -223,6 +231,9 @@ def main() -> None:
     test_loader = torch.utils.data.DataLoader(test_set, batch_size=args.test_batch_size)
 
     model = Net().to(device)
+    # Dropout draws from here on: a different stream on every rank, as Bagua's example
+    # gets from seeding CUDA with 666 + rank (identical masks would correlate the ranks).
+    torch.manual_seed(args.seed + bagua.get_rank())
     optimizer, algorithm = make_algorithm(args, model)
     model = model.with_bagua([optimizer], algorithm)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)

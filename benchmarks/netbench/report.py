@@ -35,7 +35,9 @@ __all__ = [
     "targets",
 ]
 
-RING = ("ddp", "gradient-allreduce")
+RING = ("ddp", "gradient-allreduce", "bagua-gradient-allreduce")
+# Bytes per step not fixed: async averages on its own clock (every sync_interval_ms).
+UNMODELLED = ("bagua-async",)
 EXP2 = ("awc/exp2", "atc/exp2", "win-put")
 ONE_PEER = (
     "atc/one-peer",
@@ -44,6 +46,7 @@ ONE_PEER = (
     "raw-exchange/one-peer",
     "raw-overlap/one-peer",
     "gossamer-exchange/one-peer",
+    "bagua-decentralized",
 )
 
 
@@ -55,6 +58,10 @@ def _exp2_offsets(n: int) -> list[int]:
 COMPRESSED = {
     "choco-uint8/one-peer": ("atc/one-peer", 0.25),
     "bytegrad": ("ddp", 0.25),
+    "bagua-bytegrad": ("ddp", 0.25),
+    "bagua-qadam": ("ddp", 0.25),  # the 8-bit gradient average after one warm-up step
+    # the fixed ring: one 8-bit difference to each of the two neighbours
+    "bagua-low-precision-decentralized": ("ring-neighbours", 0.25),
     # every rank's top 1 % (float32 value + int32 index) reaches every other rank
     "topk-ef/allreduce": ("allgather", 0.02),
 }
@@ -91,12 +98,20 @@ def host_egress_bytes(strategy: str, model_bytes: float, ranks: int, per_host: i
         return sum(per_offset) / len(per_offset)
     if strategy == "hier-atc":
         return len(_exp2_offsets(hosts)) * m
+    if strategy == "ring-neighbours":  # to the left and the right neighbour (one when n == 2)
+        sides = {1 % n, (n - 1) % n} - {0}
+        return max(sum(m for r in range(h * p, h * p + p) for o in sides if off_host(r, o))
+                   for h in range(hosts))  # fmt: skip
     raise ValueError(f"no cost model for {strategy!r}")
 
 
 def comm_seconds(strategy: str, model_bytes: float, ranks: int, per_host: int, rate: int | None):
-    """Modelled communication seconds per step; None when the link is unshaped."""
-    if rate is None:
+    """Modelled communication seconds per step.
+
+    None when the link is unshaped or the strategy's bytes per step are not fixed
+    (:data:`UNMODELLED`).
+    """
+    if rate is None or strategy in UNMODELLED:
         return None
     return host_egress_bytes(strategy, model_bytes, ranks, per_host) / (rate / 8)
 

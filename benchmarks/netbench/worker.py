@@ -26,6 +26,16 @@ from gossamer import communicators, optim
 from gossamer import topology as topo
 from gossamer.models import MLP, SmallResNet
 
+# Bagua's six algorithms through the facade (``gossamer.bagua``), flat (hierarchical=False:
+# every rank is a peer, as in the rows above); decentralized pairs ranks with shift_one.
+BAGUA_STRATEGIES = (
+    "bagua-gradient-allreduce",
+    "bagua-bytegrad",
+    "bagua-decentralized",
+    "bagua-low-precision-decentralized",
+    "bagua-qadam",
+    "bagua-async",
+)
 STRATEGIES = (
     "compute",
     "ddp",
@@ -43,6 +53,7 @@ STRATEGIES = (
     "topk-ef/allreduce",
     "hier-atc",
     "win-put",
+    *BAGUA_STRATEGIES,
 )
 
 
@@ -168,6 +179,62 @@ class GossamerExchange(RawOnePeer):
                 offset += p.numel()
 
 
+class BaguaStep:
+    """A model wrapped by ``with_bagua``: its optimizer, and ``free`` to stop its threads."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        self.optimizer, self.model = optimizer, model
+
+    def zero_grad(self) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``."""
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        """The optimizer's step (Bagua's post-step hooks run inside it)."""
+        self.optimizer.step()
+
+    def free(self) -> None:
+        """Stop the asynchronous algorithm's background rounds (others have none)."""
+        algorithm = self.model.bagua_algorithm
+        if hasattr(algorithm, "abort"):
+            algorithm.abort(self.model)
+
+
+def wrap_bagua(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
+    """``model.with_bagua`` with the algorithm ``strategy`` names (a ``bagua-`` row)."""
+    import gossamer.bagua as bagua
+    from gossamer.bagua.algorithms import (
+        async_model_average,
+        bytegrad,
+        decentralized,
+        gradient_allreduce,
+        q_adam,
+    )
+
+    bagua.init_process_group()  # gossamer is initialized: this only checks
+    optimizer = sgd
+    if strategy == "bagua-gradient-allreduce":
+        algorithm = gradient_allreduce.GradientAllReduceAlgorithm()
+    elif strategy == "bagua-bytegrad":
+        algorithm = bytegrad.ByteGradAlgorithm(hierarchical=False)
+    elif strategy == "bagua-decentralized":
+        algorithm = decentralized.DecentralizedAlgorithm(
+            hierarchical=False, peer_selection_mode="shift_one"
+        )
+    elif strategy == "bagua-low-precision-decentralized":
+        algorithm = decentralized.LowPrecisionDecentralizedAlgorithm(hierarchical=False)
+    elif strategy == "bagua-qadam":
+        # Adam's own learning rate (SGD's means nothing to Adam); one warm-up step, so the
+        # timed steps are the compressed stage (too short a warm-up for accuracy runs).
+        optimizer = q_adam.QAdamOptimizer(model.parameters(), lr=1e-3, warmup_steps=1)
+        algorithm = q_adam.QAdamAlgorithm(optimizer, hierarchical=False)
+    elif strategy == "bagua-async":
+        algorithm = async_model_average.AsyncModelAverageAlgorithm(sync_interval_ms=100)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}")
+    return model.with_bagua([optimizer], algorithm), BaguaStep(optimizer, model)
+
+
 def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
     """The model to call and the optimizer to step for ``strategy``, around ``sgd``."""
     size, rank = gossamer.size(), gossamer.rank()
@@ -209,6 +276,8 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         )
     if strategy == "win-put":
         return model, optim.WindowPut(sgd, model, topology=topo.exponential_two(size))
+    if strategy in BAGUA_STRATEGIES:
+        return wrap_bagua(strategy, model, sgd)
     raise ValueError(f"unknown strategy {strategy!r}")
 
 

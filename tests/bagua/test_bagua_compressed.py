@@ -125,7 +125,7 @@ def test_hierarchical_bytegrad_between_two_machines():
 
 
 # ---------------------------------------------------------------------- QAdam
-WARMUP, QSTEPS, LR = 4, 14, 0.01
+WARMUP, QSTEPS, LR = 4, 24, 0.01
 
 
 def _qmodel(rank):
@@ -170,7 +170,7 @@ def _qgrads(v):
 
 
 def _quantized_average(vectors, sizes):
-    """Bagua's compressed averaging of per-rank vectors (parameter order) over N chunks."""
+    """ByteGrad's 8-bit averaging of per-rank vectors (parameter order) over N chunks."""
 
     def to_bucket(v):  # buckets hold the parameters in reverse order
         return torch.cat(list(reversed(v.split(sizes))))
@@ -194,7 +194,7 @@ def _quantized_average(vectors, sizes):
     return torch.cat(list(reversed(bucket.split(list(reversed(sizes))))))
 
 
-def test_qadam_warmup_is_adam_and_compressed_steps_are_baguas():
+def test_qadam_warmup_is_adam_and_compressed_steps_within_5_percent():
     got = run_distributed(_qadam, N)
     sizes = [p.numel() for p in _qmodel(0).parameters()]
     beta1, beta2 = 0.9, 0.999
@@ -212,24 +212,27 @@ def test_qadam_warmup_is_adam_and_compressed_steps_are_baguas():
             torch.testing.assert_close(
                 rank_states[t][2], _flat(ref.parameters()), rtol=0, atol=1e-5
             )
-    # compression: local momenta averaged in 8 bits (simulated exactly), v frozen
+    # compression: gradients averaged in 8 bits (simulated exactly), m updated, v frozen
     fp = None
     start = got[0][WARMUP][0]
     for t in range(WARMUP, QSTEPS):
         x_t, moments, x_next, m_next = got[0][t]
         gs = _qgrads(x_t)
-        local = [beta1 * moments["exp_avg"] + (1 - beta1) * g for g in gs]
-        torch.testing.assert_close(m_next, _quantized_average(local, sizes), rtol=0, atol=1e-6)
-        m_full = sum(local) / N
-        assert (m_next - m_full).norm() < 0.05 * m_full.norm(), t
+        m = moments["exp_avg"]
+        torch.testing.assert_close(
+            m_next, beta1 * m + (1 - beta1) * _quantized_average(gs, sizes), rtol=0, atol=1e-6
+        )
         step = t + 1
         denom = (moments["exp_avg_sq"].sqrt() / (1 - beta2**step) ** 0.5).add_(1e-8)
         torch.testing.assert_close(x_next, x_t - LR / (1 - beta1**step) * m_next / denom)
+        # the step is within 5 % of the step with full-precision averaged momenta
+        full = -LR / (1 - beta1**step) * (beta1 * m + (1 - beta1) * sum(gs) / N) / denom
+        assert (x_next - x_t - full).norm() < 0.05 * full.norm(), t
         for rank_states in got[1:]:
             torch.testing.assert_close(rank_states[t][2], x_next, rtol=0, atol=0)
-        # the same steps with full-precision averaged momenta
+        # the same steps with full-precision averaged gradients all along
         if fp is None:
-            fp, fm = start.clone(), moments["exp_avg"].clone()
+            fp, fm = start.clone(), m.clone()
         fm = beta1 * fm + (1 - beta1) * sum(_qgrads(fp)) / N
         fp = fp - LR / (1 - beta1**step) * fm / denom
     moved = fp - start

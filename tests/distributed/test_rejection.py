@@ -67,6 +67,36 @@ def _case(name, r, n, bad):
     if name == "allgather":
         y = x.tolist() if is_bad else x
         return lambda: gossamer.allgather(y), set(range(n))
+    if name == "allreduce op":
+        op = "mean" if is_bad else "max"
+        return lambda: gossamer.allreduce(x, op=op), set(range(n))
+    if name == "reduce":
+        root = -1 if is_bad else 0
+        return lambda: gossamer.reduce(x, root=root), set(range(n))
+    if name == "gather":
+        y = x.tolist() if is_bad else x
+        return lambda: gossamer.gather(y, root=n - 1), set(range(n))
+    if name == "scatter":
+        y = x[:1] if is_bad else torch.zeros(n)
+        return lambda: gossamer.scatter(y, root=0), set(range(n))
+    if name == "reduce_scatter":
+        op = "bxor" if is_bad else "sum"  # bitwise on floats
+        return lambda: gossamer.reduce_scatter(torch.zeros(n), op=op), set(range(n))
+    if name == "alltoall":
+        y = torch.zeros(n + 1) if is_bad else torch.zeros(n)
+        return lambda: gossamer.alltoall(y), set(range(n))
+    if name == "alltoall_v":
+        counts = [2] * n if is_bad else [1] * n
+        return lambda: gossamer.alltoall_v(torch.zeros(n), send_counts=counts), set(range(n))
+    if name == "point_to_point send":
+        # pairs (0, 1), (2, 3): the even rank sends; only its partner depends on it
+        if r % 2 == 0 and r + 1 < n:
+            y = x.tolist() if is_bad else x
+            return lambda: gossamer.send(y, dst=r + 1), set()
+        if r % 2 == 1:
+            learners = {bad + 1} if bad % 2 == 0 and bad + 1 < n else set()
+            return lambda: gossamer.recv(x, src=r - 1), learners
+        return (lambda: None), set()
     raise AssertionError(name)
 
 
@@ -80,6 +110,14 @@ CASES = [
     "allreduce",
     "broadcast",
     "allgather",
+    "allreduce op",
+    "reduce",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "alltoall",
+    "alltoall_v",
+    "point_to_point send",
 ]
 
 

@@ -1,4 +1,4 @@
-"""The pure parts of the emulated-cluster benchmark: rates, host plan, cost model, report."""
+"""The emulated-cluster benchmark: rates, host plan, cost model, report, the Bagua rows."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
+
+import gossamer
+from gossamer.testing import run_distributed
 
 # The benchmarks package lives beside src/, not inside the installed distribution.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.netbench import report
+from benchmarks.netbench import report, worker
 from benchmarks.netbench.__main__ import main
 from benchmarks.netbench.cluster import (
     format_rate,
@@ -20,6 +25,7 @@ from benchmarks.netbench.cluster import (
     preflight,
     tbf_args,
 )
+from benchmarks.netbench.worker import BAGUA_STRATEGIES, STRATEGIES
 
 M = 20e6  # model bytes
 
@@ -206,3 +212,53 @@ def test_preflight_reports_missing_tools(monkeypatch):
     assert "iproute2" in preflight()
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     assert "root" in preflight()
+
+
+# ---------------------------------------------------------------------- Bagua rows
+def _bagua_rows(strategies):
+    """Build each Bagua row as the worker does, take 3 steps on a small MLP, release it."""
+    out = {}
+    for strategy in strategies:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        start = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+        net, opt = worker.wrap(strategy, model, torch.optim.SGD(model.parameters(), lr=0.1))
+        g = torch.Generator().manual_seed(gossamer.rank())
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        worker.release(strategy, opt)
+        end = torch.cat([p.detach().flatten() for p in model.parameters()])
+        out[strategy] = (start, end)
+    return out
+
+
+def test_bagua_rows_construct_step_and_release():
+    assert set(BAGUA_STRATEGIES) <= set(STRATEGIES)
+    got = run_distributed(_bagua_rows, 2, args=(list(BAGUA_STRATEGIES),))
+    for strategy in BAGUA_STRATEGIES:
+        (start0, end0), (start1, end1) = got[0][strategy], got[1][strategy]
+        assert torch.equal(start0, start1), strategy  # same start (with_bagua broadcasts)
+        for end in (end0, end1):
+            assert bool(end.isfinite().all()) and not torch.equal(end, start0), strategy
+        if strategy in ("bagua-gradient-allreduce", "bagua-bytegrad", "bagua-qadam"):
+            assert torch.equal(end0, end1), strategy  # every rank takes the averaged step
+        else:  # ranks mix their own models: they differ, but stay close
+            assert not torch.equal(end0, end1), strategy
+
+
+def test_bagua_rows_cost_model():
+    assert report.host_egress_bytes("bagua-gradient-allreduce", M, 4, 1) == pytest.approx(1.5 * M)
+    assert report.host_egress_bytes("bagua-bytegrad", M, 4, 1) == pytest.approx(0.375 * M)
+    assert report.host_egress_bytes("bagua-qadam", M, 4, 1) == pytest.approx(0.375 * M)
+    assert report.host_egress_bytes("bagua-decentralized", M, 4, 1) == pytest.approx(M)
+    # the ring: both neighbours leave a one-rank host; with two ranks per host only one does
+    assert report.host_egress_bytes("bagua-low-precision-decentralized", M, 4, 1) == (
+        pytest.approx(0.5 * M)
+    )
+    assert report.host_egress_bytes("bagua-low-precision-decentralized", M, 4, 2) == (
+        pytest.approx(0.5 * M)
+    )
+    assert report.comm_seconds("bagua-async", M, 4, 1, 10**9) is None

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-import gossamer.bagua._collectives as C
 from gossamer import ops
-from gossamer.bagua._collectives import ReduceOp, check_recv, write_into
+from gossamer.bagua._collectives import ReduceOp, check_recv, op_name, write_into
 from gossamer.bagua._groups import BaguaCommunicator, resolve
 
 __all__ = [
@@ -29,6 +28,20 @@ __all__ = [
 ]
 
 
+def _split_count(tensor: torch.Tensor, size: int, name: str) -> int:
+    if tensor.numel() % size:
+        raise ValueError(
+            f"{name}: tensor must have a multiple of the group size ({size}) elements; "
+            f"got {tensor.numel()}"
+        )
+    return tensor.numel() // size
+
+
+def _placeholder(like: torch.Tensor, numel: int) -> torch.Tensor:
+    """What a non-root rank passes to ``ops.scatter``: only its dtype and size count."""
+    return torch.empty(numel, dtype=like.dtype, device=like.device)
+
+
 def allgather(
     send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: BaguaCommunicator | None = None
 ) -> None:
@@ -43,7 +56,7 @@ def allgather_inplace(tensor: torch.Tensor, comm: BaguaCommunicator | None = Non
     """In-place :func:`allgather`: chunk ``rank`` of the flat ``tensor`` is this rank's input."""
     c = resolve(comm)
     if c is not None:
-        count = C.split_count(tensor, c.nranks(), "allgather_inplace", "tensor")
+        count = _split_count(tensor, c.nranks(), "allgather_inplace")
         mine = tensor.reshape(-1)[c.rank() * count : (c.rank() + 1) * count]
         write_into(tensor, ops.allgather(mine, group=c.group), "allgather_inplace")
 
@@ -59,7 +72,7 @@ def gather(
     if c is not None:
         if c.rank() == dst:
             check_recv(recv_tensor, c.nranks() * send_tensor.numel(), "gather")
-        result = C.gather(send_tensor, dst, c.group)
+        result = ops.gather(send_tensor.reshape(-1), root=dst, group=c.group)
         if result is not None:
             write_into(recv_tensor, result, "gather")
 
@@ -89,9 +102,9 @@ def scatter(
     """Chunk ``i`` of rank ``src``'s ``send_tensor`` goes to rank ``i``'s ``recv_tensor``."""
     c = resolve(comm)
     if c is not None:
-        write_into(
-            recv_tensor, C.scatter(send_tensor, recv_tensor.numel(), src, c.group), "scatter"
-        )
+        count = recv_tensor.numel()
+        mine = send_tensor if c.rank() == src else _placeholder(send_tensor, c.nranks() * count)
+        write_into(recv_tensor, ops.scatter(mine.reshape(-1), root=src, group=c.group), "scatter")
 
 
 def scatter_inplace(
@@ -105,7 +118,8 @@ def scatter_inplace(
     c = resolve(comm)
     if c is None:
         return
-    result = C.scatter(tensor, count, src, c.group)
+    mine = tensor if c.rank() == src else _placeholder(tensor, c.nranks() * count)
+    result = ops.scatter(mine.reshape(-1), root=src, group=c.group)
     if c.rank() != src:
         write_into(tensor, result, "scatter_inplace")
 
@@ -120,7 +134,8 @@ def reduce_scatter(
     c = resolve(comm)
     if c is not None:
         check_recv(recv_tensor, send_tensor.numel() // c.nranks(), "reduce_scatter")
-        write_into(recv_tensor, C.reduce_scatter(send_tensor, op, c.group), "reduce_scatter")
+        result = ops.reduce_scatter(send_tensor.reshape(-1), op=op_name(op), group=c.group)
+        write_into(recv_tensor, result, "reduce_scatter")
 
 
 def reduce_scatter_inplace(
@@ -130,7 +145,7 @@ def reduce_scatter_inplace(
     c = resolve(comm)
     if c is None:
         return
-    result = C.reduce_scatter(tensor, op, c.group)
+    result = ops.reduce_scatter(tensor.reshape(-1), op=op_name(op), group=c.group)
     count = result.numel()
     write_into(
         tensor.reshape(-1)[c.rank() * count : (c.rank() + 1) * count], result, "reduce_scatter"
@@ -148,7 +163,6 @@ def alltoall(
     c = resolve(comm)
     if c is not None:
         check_recv(recv_tensor, send_tensor.numel(), "alltoall")
-        C.split_count(send_tensor, c.nranks(), "alltoall", "send_tensor")
         write_into(recv_tensor, ops.alltoall(send_tensor.reshape(-1), group=c.group), "alltoall")
 
 
@@ -176,8 +190,12 @@ def alltoall_v(
     c = resolve(comm)
     if c is None:
         return
-    got = C.alltoall_v(
-        send_tensor, list(send_counts), list(send_displs), list(recv_counts), c.group
+    got = ops.alltoall_v(
+        send_tensor.reshape(-1),
+        send_counts=list(send_counts),
+        send_displs=list(send_displs),
+        recv_counts=list(recv_counts),
+        group=c.group,
     )
     flat = recv_tensor.reshape(-1)
     offset = 0

@@ -4,9 +4,9 @@ The primitives keep Bagua's names, argument order and defaults: out-of-place one
 ``recv_tensor``, ``*_inplace`` ones overwrite their argument, and ``comm`` is a
 communicator from ``group.get_global_communicator()`` (None: the default group). Unlike
 Bagua they also take CPU tensors (gloo) besides CUDA ones (NCCL), and they check that every
-rank made the same call. Sums and averages go through :func:`gossamer.ops.allreduce`,
-broadcasts and gathers through :mod:`gossamer.ops`, the rest through
-:mod:`gossamer.bagua._collectives`, all on gossamer's communication thread.
+rank made the same call (a rank that rejects its arguments makes its peers raise at once):
+every primitive is one :mod:`gossamer.ops` operation (Bagua's ``ReduceOp`` translated to
+its ``op`` names), all on gossamer's communication thread.
 
 Example:
     >>> import torch
@@ -28,9 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import gossamer.bagua._collectives as C
 from gossamer import context, ops
-from gossamer.bagua._collectives import ReduceOp, check_recv, reduce_op, write_into
+from gossamer.bagua._collectives import ReduceOp, check_recv, op_name, write_into
 from gossamer.bagua._exchanges import (
     allgather,
     allgather_inplace,
@@ -152,14 +151,14 @@ def send(tensor: torch.Tensor, dst: int, comm: BaguaCommunicator | None = None) 
     """Send ``tensor`` to rank ``dst`` of the communicator (blocking)."""
     c = _comm(comm)
     if c is not None:
-        C.send(tensor, dst, c.group)
+        ops.send(tensor, dst=dst, group=c.group)
 
 
 def recv(tensor: torch.Tensor, src: int, comm: BaguaCommunicator | None = None) -> None:
     """Receive into ``tensor`` what rank ``src`` of the communicator sends (blocking)."""
     c = _comm(comm)
     if c is not None:
-        C.recv(tensor, src, c.group)
+        write_into(tensor, ops.recv(tensor, src=src, group=c.group), "recv")
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, comm: BaguaCommunicator | None = None) -> None:
@@ -213,8 +212,8 @@ def reduce(
     if c is not None:
         if c.rank() == dst:
             check_recv(recv_tensor, send_tensor.numel(), "reduce")
-        result = C.reduce(send_tensor, dst, op, c.group)
-        if c.rank() == dst:
+        result = ops.reduce(send_tensor, root=dst, op=op_name(op), group=c.group)
+        if result is not None:
             write_into(recv_tensor, result, "reduce")
 
 
@@ -250,12 +249,8 @@ def allreduce(
     c = _comm(comm)
     if c is None:
         return
-    op = reduce_op(op)
     check_recv(recv_tensor, send_tensor.numel(), "allreduce")
-    if op in (ReduceOp.SUM, ReduceOp.AVG) and send_tensor.is_floating_point():
-        result = ops.allreduce(send_tensor, average=op == ReduceOp.AVG, group=c.group)
-    else:
-        result = C.allreduce(send_tensor, op, c.group)
+    result = ops.allreduce(send_tensor, op=op_name(op), group=c.group)
     write_into(recv_tensor, result, "allreduce")
 
 

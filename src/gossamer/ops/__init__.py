@@ -6,6 +6,7 @@ out of place, blocking unless ``async_op=True``, which returns a :class:`Handle`
 
 from __future__ import annotations
 
+from gossamer.ops.blockwise import alltoall_v, reduce_scatter
 from gossamer.ops.collectives import (
     allgather,
     allreduce,
@@ -23,17 +24,21 @@ from gossamer.ops.defaults import (
 )
 from gossamer.ops.hierarchical import hierarchical_neighbor_allreduce, local_allreduce, local_group
 from gossamer.ops.neighbor import neighbor_allgather, neighbor_allreduce, pair_gossip
+from gossamer.ops.point_to_point import recv, send
+from gossamer.ops.rooted import gather, reduce, scatter
 from gossamer.transport import Handle
 
 __all__ = [
     "Handle",
     "allgather",
     "alltoall",
+    "alltoall_v",
     "allreduce",
     "allreduce_",
     "barrier",
     "broadcast",
     "broadcast_",
+    "gather",
     "get_machine_topology",
     "get_topology",
     "hierarchical_neighbor_allreduce",
@@ -42,6 +47,11 @@ __all__ = [
     "neighbor_allgather",
     "neighbor_allreduce",
     "pair_gossip",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+    "send",
     "set_machine_topology",
     "set_topology",
 ]

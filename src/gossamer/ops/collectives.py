@@ -16,7 +16,13 @@ import torch
 import torch.distributed as dist
 
 from gossamer import transport
-from gossamer.profiling import timeline
+from gossamer.ops._common import (
+    SUM_DTYPES,
+    check_reduce_op,
+    reduce_code,
+    reduce_in_place,
+    reject,
+)
 from gossamer.transport import (
     AVERAGING_DTYPES,
     DTYPES,
@@ -42,48 +48,15 @@ __all__ = [
     "reduce_into",
 ]
 
-_SUM_DTYPES = (
-    *AVERAGING_DTYPES,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
 _ANY_DTYPE = DTYPES
-# Where a backend lacks a kernel or a sum loses bits, reduce in a wider dtype: half types in
-# float32 (fp16 sums of many ranks overflow), int16 in int32 (gloo and NCCL have no int16;
-# int32 holds the sum of 65536 int16 values, and casting back wraps as int16 arithmetic
-# does), bool in int32 (any True gives True, as torch's bool addition does).
-_WIDE = {
-    torch.float16: torch.float32,
-    torch.bfloat16: torch.float32,
-    torch.int16: torch.int32,
-    torch.bool: torch.int32,
-}
 
 
 def reduce_into(out: torch.Tensor, average: bool, group: dist.ProcessGroup | None) -> None:
-    """Sum (or average) ``out`` over ``group`` in place; runs on the communication thread."""
-    wide_dtype = _WIDE.get(out.dtype)
-    wide = out if wide_dtype is None else out.to(wide_dtype)
-    with timeline.record(None, "communicating"):
-        work = dist.all_reduce(wide, group=group, async_op=True)
-        transport.wait_works("allreduce", [(-1, work)])
-    if average:
-        wide.div_(dist.get_world_size(group))
-    if wide is not out:
-        out.copy_(wide if out.dtype != torch.bool else wide != 0)
+    """Sum (or average) ``out`` over ``group`` in place; runs on the communication thread.
 
-
-def _reject(op: str, error: Exception, group: dist.ProcessGroup | None) -> None:
-    """Queue this rank's part of a collective it rejected: its peers raise at once."""
-
-    def take_part(reason: str) -> None:
-        transport.check_same_call(op, None, group, rejection=reason)
-
-    transport.reject(op, error, group, take_part)
+    Half types are summed in float32, int16 in int32, bool in int32 (a logical or).
+    """
+    reduce_in_place(out, "average" if average else "sum", group)
 
 
 def _buffer(tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
@@ -98,20 +71,24 @@ def _result(tensor: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Ten
     return out
 
 
-def _allreduce(tensor, average, group, async_op, inplace) -> torch.Tensor | Handle:
+def _allreduce(tensor, average, op, group, async_op, inplace) -> torch.Tensor | Handle:
     try:
         check_flag(average, "average", "allreduce")
-        check_tensor(tensor, AVERAGING_DTYPES if average else _SUM_DTYPES, "allreduce")
+        if op is None:
+            check_tensor(tensor, AVERAGING_DTYPES if average else SUM_DTYPES, "allreduce")
+            op = "average" if average else "sum"
+        check_tensor(tensor, SUM_DTYPES, "allreduce")
+        op = check_reduce_op(op, tensor, "allreduce")
         group_rank(group)
         check_flag(async_op, "async_op", "allreduce")
     except (TypeError, ValueError) as err:
-        _reject("allreduce", err, group)
+        reject("allreduce", err, group)
         raise
 
     def body() -> torch.Tensor:
-        transport.check_same_call("allreduce", tensor, group, aux=int(average))
+        transport.check_same_call("allreduce", tensor, group, aux=reduce_code(op))
         out = _buffer(tensor, inplace)
-        reduce_into(out, average, group)
+        reduce_in_place(out, op, group)
         return _result(tensor, out, inplace)
 
     return transport.run("allreduce", body, async_op)
@@ -121,6 +98,7 @@ def allreduce(
     tensor: torch.Tensor,
     *,
     average: bool = True,
+    op: str | None = None,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> torch.Tensor | Handle:
@@ -128,11 +106,15 @@ def allreduce(
 
     Out of place: the input is not modified. Averaging needs a floating or complex dtype
     (float16 and bfloat16 are accumulated in float32); sums also take integer dtypes (int16
-    summed in int32, wrapping like int16 arithmetic) and bool (a logical or).
+    summed in int32, wrapping like int16 arithmetic) and bool (a logical or). ``op`` picks
+    another elementwise reduction: :math:`\prod_r x_r`, :math:`\min_r x_r`,
+    :math:`\max_r x_r`, or a bitwise and/or/xor of integer or bool tensors.
 
     Args:
         tensor (torch.Tensor): this rank's contribution; same dtype and shape on every rank.
         average (bool): divide the sum by the group size.
+        op (str, optional): one of ``"sum"``, ``"average"``, ``"product"``, ``"min"``,
+            ``"max"``, ``"band"``, ``"bor"``, ``"bxor"``; when given it replaces ``average``.
         group (ProcessGroup, optional): the ranks taking part; the world when None.
         async_op (bool): return a :class:`Handle` instead of waiting.
 
@@ -140,26 +122,30 @@ def allreduce(
         torch.Tensor (or a Handle whose ``wait()`` returns it).
 
     Raises:
-        TypeError: not a tensor, or an unsupported dtype.
+        TypeError: not a tensor, an unsupported dtype, or an ``op`` the dtype lacks.
+        ValueError: an unknown ``op``.
         PeerArgumentError: on the other ranks, when a rank rejected its arguments.
-        PeerError: on every rank, when ranks passed different dtypes or shapes.
+        PeerError: on every rank, when ranks passed different dtypes, shapes or ops.
 
     Example:
         >>> gossamer.allreduce(torch.tensor([1.0, 2.0]) * (gossamer.rank() + 1))
         tensor([1.5000, 3.0000])  # Rank 0 and rank 1 of 2
+        >>> gossamer.allreduce(torch.tensor([gossamer.rank()]), op="max")
+        tensor([1])  # every rank
     """
-    return _allreduce(tensor, average, group, async_op, inplace=False)
+    return _allreduce(tensor, average, op, group, async_op, inplace=False)
 
 
 def allreduce_(
     tensor: torch.Tensor,
     *,
     average: bool = True,
+    op: str | None = None,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> torch.Tensor | Handle:
     """In-place :func:`allreduce`: writes the result into ``tensor`` and returns it."""
-    return _allreduce(tensor, average, group, async_op, inplace=True)
+    return _allreduce(tensor, average, op, group, async_op, inplace=True)
 
 
 def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
@@ -168,7 +154,7 @@ def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
         check_rank(root, "root", group_size(group))
         check_flag(async_op, "async_op", "broadcast")
     except (TypeError, ValueError) as err:
-        _reject("broadcast", err, group)
+        reject("broadcast", err, group)
         raise
 
     def body() -> torch.Tensor:
@@ -238,7 +224,7 @@ def allgather(
         group_rank(group)
         check_flag(async_op, "async_op", "allgather")
     except (TypeError, ValueError) as err:
-        _reject("allgather", err, group)
+        reject("allgather", err, group)
         raise
 
     def body() -> torch.Tensor:
@@ -272,7 +258,8 @@ def alltoall(
     the same shape and dtype on every rank).
 
     Raises:
-        ValueError: dim 0 is not a multiple of the group size, or ``tensor`` is a scalar.
+        ValueError: dim 0 is not a multiple of the group size, or ``tensor`` is a scalar
+            (the peers raise PeerArgumentError).
         PeerError: ranks passed different dtypes or shapes.
 
     Example:
@@ -280,14 +267,18 @@ def alltoall(
         tensor([10, 12])  # Rank 0 of 2
         tensor([11, 13])  # Rank 1
     """
-    check_tensor(tensor, _ANY_DTYPE, "alltoall")
-    size = group_size(group)
-    if tensor.dim() == 0 or tensor.shape[0] % size:
-        raise ValueError(
-            f"alltoall: tensor dim 0 must be a multiple of the group size {size}; "
-            f"got shape {tuple(tensor.shape)}"
-        )
-    check_flag(async_op, "async_op", "alltoall")
+    try:
+        check_tensor(tensor, _ANY_DTYPE, "alltoall")
+        size = group_size(group)
+        if tensor.dim() == 0 or tensor.shape[0] % size:
+            raise ValueError(
+                f"alltoall: tensor dim 0 must be a multiple of the group size {size}; "
+                f"got shape {tuple(tensor.shape)}"
+            )
+        check_flag(async_op, "async_op", "alltoall")
+    except (TypeError, ValueError) as err:
+        reject("alltoall", err, group)
+        raise
 
     def body() -> torch.Tensor:
         transport.check_same_call("alltoall", tensor, group)

@@ -68,6 +68,12 @@ OPS = (
     "cross_gradient",
     # A rank that rejected its arguments sends this instead of its call (transport.rejection).
     "rejected",
+    "reduce",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "alltoall_v",
+    "point_to_point",
 )
 
 
