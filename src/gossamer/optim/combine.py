@@ -6,8 +6,9 @@ optimizer's update :math:`u(\cdot)` (for SGD, :math:`u(g) = -\eta g`):
 - adapt-with-combine (AWC): :math:`x^{+} = W x + u(\nabla f(x))`; the averaging of
   :math:`x` starts before the forward pass and overlaps forward and backward.
 - adapt-then-combine (ATC, diffusion; Sayed 2014): :math:`x^{+} = W (x + u(\nabla f(x)))`;
-  each bucket is stepped and its averaging started before the next bucket is stepped, and
-  the result is waited for at the next forward pass (or :meth:`synchronize`).
+  each bucket is stepped and its averaging started as soon as the backward pass has
+  produced its gradients, and each module waits for its own buckets' results before its
+  next forward pass (or :meth:`synchronize`).
 
 With a constant step size both settle at an :math:`O(\eta)` distance from the optimum of
 :math:`\sum_i f_i` when the local optima differ; a decaying step size removes the bias.
@@ -15,13 +16,19 @@ With a constant step size both settle at an :math:`O(\eta)` distance from the op
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import functools
+from collections.abc import Callable, Container, Iterable, Iterator
 
 import torch
 
 from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.optim.overlap import Arrivals, module_buckets
+from gossamer.profiling import timeline
 
 __all__ = ["AdaptThenCombine", "AdaptWithCombine"]
+
+_ROW = "optimizer"  # the timeline row of the optimizers' own spans
 
 
 class AdaptWithCombine(DecentralizedOptimizer):
@@ -80,6 +87,28 @@ class AdaptWithCombine(DecentralizedOptimizer):
 class AdaptThenCombine(DecentralizedOptimizer):
     r"""ATC: take the local step bucket by bucket, starting each bucket's combine at once.
 
+    With ``overlap=True`` (the default) the work follows the backward pass: as soon as the
+    gradients of every parameter of a bucket have been accumulated (a
+    ``register_post_accumulate_grad_hook`` on each parameter), the wrapped optimizer steps
+    that bucket's parameters (its own update rule, on a subset of its parameter groups, so
+    momentum, Adam's moments and weight decay are exactly torch's) and the bucket's neighbour
+    exchange is queued on the communication thread. Its wire time then hides behind the rest
+    of the backward pass. Buckets are queued in index order (reverse registration order), so
+    every rank issues the same rounds in the same order; a bucket ready early waits for the
+    ones before it. A module's forward pre-hook waits only for the combines of its own
+    buckets (and of the buckets queued before them, which are done by then) and writes them
+    into the parameters. :meth:`step` takes the local step of the buckets that were never
+    completed (parameters without a gradient in this step, a model with unused parameters)
+    and queues them; it does not wait.
+
+    What changes with ``overlap=True``: the gradients are consumed during ``backward()``, so
+    code that changes them between ``backward()`` and ``step()`` (gradient clipping,
+    ``GradScaler``'s unscaling and skipped steps) has no effect on communication steps; a
+    second backward pass before ``step()`` (gradient accumulation) must run inside
+    :meth:`no_sync`, except the last, or it raises ``RuntimeError``. Use ``overlap=False``
+    for those: the whole local step and every exchange then start in :meth:`step`. Steps that
+    do not communicate (``num_steps_per_communication > 1``) always step in :meth:`step`.
+
     ``exact_diffusion=True`` adds the exact-diffusion correction (Yuan et al., 2019), which
     removes the constant-step bias: with :math:`\psi_k = x_k + u_k` the local step,
 
@@ -88,28 +117,128 @@ class AdaptThenCombine(DecentralizedOptimizer):
     and the ranks converge to the exact optimum of :math:`\sum_i f_i` with a constant step
     size. It needs a doubly stochastic :math:`W` and communication at every step.
 
+    Args:
+        optimizer, model: as for every decentralized optimizer.
+        exact_diffusion (bool): add the exact-diffusion correction.
+        overlap (bool): step and send each bucket from the backward pass (see above).
+        **kwargs: the options of :class:`DecentralizedOptimizer`; ``fusion_threshold_bytes``
+            is the bucket size, and so the grain of the overlap.
+
     Example:
         >>> opt = AdaptThenCombine(torch.optim.Adam(model.parameters()), model)
-        >>> loss_fn(model(x), y).backward()
-        >>> opt.step()                 # local Adam step, then neighbour averaging starts
-        >>> model(x)                   # waits for the averaged parameters first
+        >>> loss_fn(model(x), y).backward()  # each bucket: local Adam step, exchange starts
+        >>> opt.step()                 # steps and sends what backward left (unused params)
+        >>> model(x)                   # each module waits for its own averaged parameters
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, model, *, exact_diffusion: bool = False, **kwargs
+        self,
+        optimizer: torch.optim.Optimizer,
+        model,
+        *,
+        exact_diffusion: bool = False,
+        overlap: bool = True,
+        **kwargs,
     ) -> None:
         super().__init__(optimizer, model, **kwargs)
         if not isinstance(exact_diffusion, bool):
             raise TypeError(f"exact_diffusion must be a bool; got {exact_diffusion!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool; got {overlap!r}")
         if exact_diffusion and self.num_steps_per_communication != 1:
             raise ValueError("exact_diffusion needs num_steps_per_communication=1")
         self.exact_diffusion = exact_diffusion
+        self.overlap = overlap
         self._psi_prev: dict[int, torch.Tensor] = {}
-        self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in self.models]
+        self._index = {bucket: i for i, bucket in enumerate(self.buckets)}
+        self._arrivals = Arrivals(self.buckets, self.param_names)
+        # Buckets stepped in this step and not queued yet: index -> (what to send, finish).
+        self._ready: dict[int, tuple[torch.Tensor, Callable | None]] = {}
+        self._queued = 0  # buckets 0.._queued-1 are queued in this step
+        self._no_sync = False
+        self._hooks = [
+            module.register_forward_pre_hook(functools.partial(self._before_forward, max(indices)))
+            for module, indices in module_buckets(self.models, self.buckets)
+        ]
+        if overlap:
+            self._hooks += [
+                p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params
+            ]
 
-    def _before_forward(self, module, inputs) -> None:
-        self.synchronize()
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (no local step, no exchange)."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
 
+    @property
+    def step_in_progress(self) -> bool:
+        """Whether a backward pass began this step's local steps and :meth:`step` has not run."""
+        return self._arrivals.any or bool(self._ready) or self._queued > 0
+
+    # ------------------------------------------------------------------ hooks
+    def _before_forward(self, last: int, module, inputs) -> None:
+        # Rounds run in queue order on the communication thread, so the buckets queued
+        # before this module's are done when its own is: writing them too costs no wait and
+        # covers a parameter read outside its own module's forward.
+        self._finish(range(last + 1))
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if self._no_sync or not self._is_round():
+            return
+        index = self._arrivals.arrive(param)
+        if index is not None:
+            self._local_step(index)
+            self._queue_ready()
+
+    # ------------------------------------------------------------------ per bucket
+    def _local_step(self, index: int) -> None:
+        """The wrapped optimizer's step on bucket ``index``; what to send is kept for it."""
+        bucket = self.buckets[index]
+        self._finish((index,))  # the previous combine of this bucket lands first
+        with timeline.activity(_ROW, "local step"):
+            x = bucket.pack().clone() if self.exact_diffusion else None
+            self._step_only(bucket.tensors)
+            sent, finish = bucket.pack(), None
+            if x is not None:
+                psi = sent.clone()
+                sent = psi + x - self._psi_prev.get(index, x)
+                self._psi_prev[index] = psi
+                finish = _halved_sum(sent)
+        self._ready[index] = (sent, finish)
+
+    def _queue_ready(self) -> None:
+        """Queue the stepped buckets in index order, up to the first one not stepped yet."""
+        while self._queued in self._ready:
+            index = self._queued
+            if index == 0:  # the step's first round fixes its peers (dynamic schedules)
+                self.communicator.next_round()
+            sent, finish = self._ready.pop(index)
+            self._pending.append(
+                (self.buckets[index], self.communicator.start(sent, index), finish)
+            )
+            self._queued += 1
+
+    def _finish(self, indices: Container[int]) -> None:
+        """Wait for the rounds in flight on the buckets ``indices``; write their results."""
+        mine = [e for e in self._pending if self._index[e[0]] in indices]
+        if not mine:
+            return
+        self._pending = [e for e in self._pending if self._index[e[0]] not in indices]
+        with timeline.activity(_ROW, "waiting for combine"):
+            for bucket, handle, finish in mine:
+                if handle is not None:
+                    result = handle.wait()
+                    bucket.unpack(result if finish is None else finish(result), lambda p: p.data)
+
+    def synchronize(self) -> None:
+        """Wait for every combine in flight and write it into the parameters."""
+        self._finish(range(len(self.buckets)))
+
+    # ------------------------------------------------------------------ state
     def _comm_state(self) -> dict:
         # Exact diffusion's next step depends on the previous local step psi.
         psi = {i: t.clone() for i, t in self._psi_prev.items()}
@@ -142,9 +271,12 @@ class AdaptThenCombine(DecentralizedOptimizer):
                 g["params"] = params_of_group
 
     def step(self, closure=None):
-        """Local step; on communication steps, bucket by bucket with the combine started."""
-        self.synchronize()
+        """Finish the step: on communication steps, step and queue the buckets left.
+
+        On other steps: wait for the combines in flight, then the wrapped optimizer's step.
+        """
         if not self._is_round():
+            self.synchronize()
             loss = self.optimizer.step(closure)
         elif closure is not None:
             raise ValueError(
@@ -152,18 +284,14 @@ class AdaptThenCombine(DecentralizedOptimizer):
                 "steps (the step is split per bucket)"
             )
         else:
-            self.communicator.next_round()
             loss = None
-            for index, bucket in enumerate(self.buckets):
-                x = bucket.pack().clone() if self.exact_diffusion else None
-                self._step_only(bucket.tensors)
-                sent, finish = bucket.pack(), None
-                if x is not None:
-                    psi = sent.clone()
-                    sent = psi + x - self._psi_prev.get(index, x)
-                    self._psi_prev[index] = psi
-                    finish = _halved_sum(sent)
-                self._pending.append((bucket, self.communicator.start(sent, index), finish))
+            # The first bucket not queued was never stepped (else it would be queued). Each is
+            # queued before the next is stepped: its exchange overlaps the following steps.
+            while self._queued < len(self.buckets):
+                self._local_step(self._queued)
+                self._queue_ready()
+        self._arrivals.reset()
+        self._queued = 0
         self.steps += 1
         return loss
 
