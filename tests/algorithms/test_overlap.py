@@ -64,12 +64,14 @@ def _torch_optimizer(kind, model):
 
 
 CASES = {
-    # name: (torch optimizer, num_steps_per_communication, dynamic schedule, accumulate)
-    "sgd-momentum": ("sgd", 1, False, False),
-    "adam": ("adam", 1, False, False),
-    "every-2": ("sgd", 2, False, False),
-    "one-peer": ("adam", 1, True, False),
-    "accumulate": ("sgd", 1, False, True),
+    # name: (torch optimizer, num_steps_per_communication, dynamic schedule, accumulate,
+    #        exact diffusion)
+    "sgd-momentum": ("sgd", 1, False, False, False),
+    "adam": ("adam", 1, False, False, False),
+    "every-2": ("sgd", 2, False, False, False),
+    "one-peer": ("adam", 1, True, False, False),
+    "accumulate": ("sgd", 1, False, True, False),
+    "exact-diffusion": ("sgd", 1, False, False, True),
 }
 
 
@@ -96,12 +98,13 @@ def _one_peer_weights(n, round_):
 
 def serial_atc(case, n):
     """Every rank's parameters before each step and at the end, simulated in one process."""
-    kind, every, dynamic, accumulate = CASES[case]
+    kind, every, dynamic, accumulate, exact = CASES[case]
     models = [Net(r) for r in range(n)]
     opts = [_torch_optimizer(kind, m) for m in models]
-    history, rounds = [], 0
+    history, rounds, psi_prev = [], 0, None
     for step in range(STEPS):
         history.append([[p.detach().clone() for p in m.parameters()] for m in models])
+        start = history[-1]  # x_k of every rank
         for rank, (model, opt) in enumerate(zip(models, opts, strict=True)):
             opt.zero_grad()
             x, y = _batch(rank, step)
@@ -115,11 +118,22 @@ def serial_atc(case, n):
             W = _one_peer_weights(n, rounds) if dynamic else _static_weights(n)
             rounds += 1
             params = [list(m.parameters()) for m in models]
+            psi = [[p.detach().clone() for p in ps] for ps in params]
+            if exact:  # phi = psi + x - psi_prev; x+ = (phi + W phi) / 2
+                before = start if psi_prev is None else psi_prev
+                sent = [
+                    [a + b - c for a, b, c in zip(*t, strict=True)]
+                    for t in zip(psi, start, before, strict=True)
+                ]
+                psi_prev = psi
+            else:
+                sent = psi
             for k in range(len(params[0])):
-                mixed = mix(W.numpy(), [params[r][k].detach() for r in range(n)])
+                mixed = mix(W.numpy(), [sent[r][k] for r in range(n)])
                 with torch.no_grad():
                     for r in range(n):
-                        params[r][k].copy_(mixed[r])
+                        value = (sent[r][k] + mixed[r]) / 2 if exact else mixed[r]
+                        params[r][k].copy_(value)
     final = [[p.detach().clone() for p in m.parameters()] for m in models]
     return history, final
 
@@ -127,7 +141,7 @@ def serial_atc(case, n):
 # ---------------------------------------------------------------- the distributed runs
 def _overlapped(case, overlap):
     """Train with AdaptThenCombine; the parameters each forward pass sees, and the end."""
-    kind, every, dynamic, accumulate = CASES[case]
+    kind, every, dynamic, accumulate, exact = CASES[case]
     rank, n = gossamer.rank(), gossamer.size()
     model = Net(rank)
     options = {"schedule": topo.one_peer_exponential(topo.exponential_two(n), rank)}
@@ -137,6 +151,7 @@ def _overlapped(case, overlap):
         _torch_optimizer(kind, model),
         model,
         overlap=overlap,
+        exact_diffusion=exact,
         num_steps_per_communication=every,
         fusion_threshold_bytes=100,  # 7 buckets of float64 parameters
         **options,
