@@ -329,3 +329,42 @@ def test_timeline_shows_communication_inside_the_backward_pass(tmp_path, kind, o
         if kind == "atc":
             steps = [(t0, t1) for row, what, t0, t1 in spans if what == "local step"]
             assert all(any(b0 <= s0 and s1 <= b1 for s0, s1 in steps) for b0, b1 in backward)
+
+
+# ---------------------------------------------------------------- push-sum
+def _push_sum(overlap):
+    """Push-sum with ranks taking whole steps in turn, so each collect is deterministic."""
+    rank, n = gossamer.rank(), gossamer.size()
+    model = Net(rank)
+    opt = optim.PushSum(
+        _torch_optimizer("sgd", model),
+        model,
+        topology=topo.exponential_two(n),
+        overlap=overlap,
+        fusion_threshold_bytes=100,
+    )
+    stepped_in_backward = []
+    for step in range(STEPS):
+        for turn in range(n):
+            if turn == rank:
+                opt.zero_grad()
+                x, y = _batch(rank, step)
+                loss = _loss(model, x, y)
+                before = model.c.weight.detach().clone()
+                loss.backward()
+                stepped_in_backward.append(not torch.equal(before, model.c.weight))
+                opt.step()
+            gossamer.barrier()
+    final = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return final, stepped_in_backward
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_overlapped_push_sum_matches_push_sum_stepped_in_step(world_size):
+    overlapped = run_distributed(_push_sum, world_size, args=(True,))
+    serial = run_distributed(_push_sum, world_size, args=(False,))
+    for (a, in_backward), (b, not_in_backward) in zip(overlapped, serial, strict=True):
+        assert in_backward == [True] * STEPS and not_in_backward == [False] * STEPS
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, **TOLERANCE)

@@ -16,14 +16,13 @@ With a constant step size both settle at an :math:`O(\eta)` distance from the op
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container
 
 import torch
 
 from gossamer.optim.base import DecentralizedOptimizer
-from gossamer.optim.overlap import Arrivals, module_buckets
+from gossamer.optim.overlap import BucketwiseOptimizer, module_buckets
 from gossamer.profiling import timeline
 
 __all__ = ["AdaptThenCombine", "AdaptWithCombine"]
@@ -84,7 +83,7 @@ class AdaptWithCombine(DecentralizedOptimizer):
         return loss
 
 
-class AdaptThenCombine(DecentralizedOptimizer):
+class AdaptThenCombine(BucketwiseOptimizer):
     r"""ATC: take the local step bucket by bucket, starting each bucket's combine at once.
 
     With ``overlap=True`` (the default) the work follows the backward pass: as soon as the
@@ -140,44 +139,18 @@ class AdaptThenCombine(DecentralizedOptimizer):
         overlap: bool = True,
         **kwargs,
     ) -> None:
-        super().__init__(optimizer, model, **kwargs)
+        super().__init__(optimizer, model, overlap=overlap, **kwargs)
         if not isinstance(exact_diffusion, bool):
             raise TypeError(f"exact_diffusion must be a bool; got {exact_diffusion!r}")
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be a bool; got {overlap!r}")
         if exact_diffusion and self.num_steps_per_communication != 1:
             raise ValueError("exact_diffusion needs num_steps_per_communication=1")
         self.exact_diffusion = exact_diffusion
-        self.overlap = overlap
         self._psi_prev: dict[int, torch.Tensor] = {}
         self._index = {bucket: i for i, bucket in enumerate(self.buckets)}
-        self._arrivals = Arrivals(self.buckets, self.param_names)
-        # Buckets stepped in this step and not queued yet: index -> (what to send, finish).
-        self._ready: dict[int, tuple[torch.Tensor, Callable | None]] = {}
-        self._queued = 0  # buckets 0.._queued-1 are queued in this step
-        self._no_sync = False
-        self._hooks = [
+        self._hooks += [
             module.register_forward_pre_hook(functools.partial(self._before_forward, max(indices)))
             for module, indices in module_buckets(self.models, self.buckets)
         ]
-        if overlap:
-            self._hooks += [
-                p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params
-            ]
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate gradients (no local step, no exchange)."""
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
-
-    @property
-    def step_in_progress(self) -> bool:
-        """Whether a backward pass began this step's local steps and :meth:`step` has not run."""
-        return self._arrivals.any or bool(self._ready) or self._queued > 0
 
     # ------------------------------------------------------------------ hooks
     def _before_forward(self, last: int, module, inputs) -> None:
@@ -186,41 +159,21 @@ class AdaptThenCombine(DecentralizedOptimizer):
         # covers a parameter read outside its own module's forward.
         self._finish(range(last + 1))
 
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        if self._no_sync or not self._is_round():
-            return
-        index = self._arrivals.arrive(param)
-        if index is not None:
-            self._local_step(index)
-            self._queue_ready()
-
     # ------------------------------------------------------------------ per bucket
-    def _local_step(self, index: int) -> None:
-        """The wrapped optimizer's step on bucket ``index``; what to send is kept for it."""
+    def _step_bucket(self, index: int) -> tuple[torch.Tensor, Callable | None]:
+        """The wrapped optimizer's step on bucket ``index``; what to send, and its finish."""
         bucket = self.buckets[index]
         self._finish((index,))  # the previous combine of this bucket lands first
         with timeline.activity(_ROW, "local step"):
             x = bucket.pack().clone() if self.exact_diffusion else None
             self._step_only(bucket.tensors)
-            sent, finish = bucket.pack(), None
-            if x is not None:
-                psi = sent.clone()
-                sent = psi + x - self._psi_prev.get(index, x)
-                self._psi_prev[index] = psi
-                finish = _halved_sum(sent)
-        self._ready[index] = (sent, finish)
-
-    def _queue_ready(self) -> None:
-        """Queue the stepped buckets in index order, up to the first one not stepped yet."""
-        while self._queued in self._ready:
-            index = self._queued
-            if index == 0:  # the step's first round fixes its peers (dynamic schedules)
-                self.communicator.next_round()
-            sent, finish = self._ready.pop(index)
-            self._pending.append(
-                (self.buckets[index], self.communicator.start(sent, index), finish)
-            )
-            self._queued += 1
+            sent = bucket.pack()
+            if x is None:
+                return sent, None
+            psi = sent.clone()
+            sent = psi + x - self._psi_prev.get(index, x)
+            self._psi_prev[index] = psi
+            return sent, _halved_sum(sent)
 
     def _finish(self, indices: Container[int]) -> None:
         """Wait for the rounds in flight on the buckets ``indices``; write their results."""
@@ -257,19 +210,6 @@ class AdaptThenCombine(DecentralizedOptimizer):
         super()._load_comm_state(state)
         self._psi_prev = {i: t.clone() for i, t in psi.items()}
 
-    def _step_only(self, params: Iterable[torch.Tensor], closure=None):
-        """The wrapped optimizer's step restricted to ``params`` (its own update rule)."""
-        wanted = set(params)
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
-        try:
-            for g in groups:
-                g["params"] = [p for p in g["params"] if p in wanted]
-            return self.optimizer.step(closure)
-        finally:
-            for g, params_of_group in zip(groups, saved, strict=True):
-                g["params"] = params_of_group
-
     def step(self, closure=None):
         """Finish the step: on communication steps, step and queue the buckets left.
 
@@ -285,13 +225,7 @@ class AdaptThenCombine(DecentralizedOptimizer):
             )
         else:
             loss = None
-            # The first bucket not queued was never stepped (else it would be queued). Each is
-            # queued before the next is stepped: its exchange overlaps the following steps.
-            while self._queued < len(self.buckets):
-                self._local_step(self._queued)
-                self._queue_ready()
-        self._arrivals.reset()
-        self._queued = 0
+            self._take_remaining_steps()
         self.steps += 1
         return loss
 
