@@ -146,6 +146,16 @@ def _train(model, opt, protocol, first, steps, knobs):
             opt.self_weight = 1 / (len(recv) + 1)
         x, y = _batch(r, k)
         opt.zero_grad()
+        if protocol == "push-sum":
+            # A push-sum step pushes into neighbours' slots (from the backward pass, bucket
+            # by bucket) and collects its own at step(): ranks take whole steps in turn, so
+            # each collect sees a fixed set of arrivals.
+            for turn in range(n):
+                if turn == r:
+                    ((model(x) - y) ** 2).mean().backward()
+                    opt.step()
+                gossamer.barrier()
+            continue
         ((model(x) - y) ** 2).mean().backward()
         if protocol == "win-put":
             # Asynchronous: a combine reads whatever puts have landed, so timing decides the
@@ -155,13 +165,6 @@ def _train(model, opt, protocol, first, steps, knobs):
             gossamer.barrier()
             opt.step()
             gossamer.barrier()
-        elif protocol == "push-sum":
-            # A push-sum step accumulates into neighbours' slots and collects its own at
-            # once: ranks step in turn, so each collect sees a fixed set of arrivals.
-            for turn in range(n):
-                if turn == r:
-                    opt.step()
-                gossamer.barrier()
         else:
             opt.step()
 

@@ -103,7 +103,7 @@ def test_window_put_synchronize_keeps_the_combine(states):
 def test_step_in_progress_spans_one_step(states):
     awc, atc, gradient_allreduce = states[0]["progress"]
     assert awc == (True, True, False)  # the combine starts at the forward pass
-    assert atc == (False, False, False)  # the step is whole; its combine lands later
+    assert atc == (False, True, False)  # backward takes the local steps; step() ends them
     assert gradient_allreduce == (False, True, False)  # gradients wait for step()
 
 

@@ -176,14 +176,22 @@ class PushSumGossip(_WindowGossip):
     push_sum = True
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
+        """Push the shares (returns at once); ``wait()`` collects and returns :math:`z`."""
         window = self.windows[index]
         x = window.tensor
         torch.mul(flat, window.p, out=x)
         share = 1.0 / (len(self.destinations(window)) + 1)
-        window.accumulate(self_weight=share, dst_weights=self.destinations(window, share))
-        window.update_then_collect(require_mutex=True)
-        z = x / window.p
-        return Deferred(lambda: z)
+        pushed = window.accumulate(
+            self_weight=share, dst_weights=self.destinations(window, share), async_op=True
+        )
+
+        def collect() -> torch.Tensor:
+            # x and p are scaled by the own share once every push has landed.
+            pushed.wait()
+            window.update_then_collect(require_mutex=True)
+            return x / window.p
+
+        return Deferred(collect)
 
     def state_dict(self) -> dict:
         """Counters, slots, and per window its ``x`` and push-sum weight ``p``."""

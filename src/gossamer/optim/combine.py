@@ -6,8 +6,9 @@ optimizer's update :math:`u(\cdot)` (for SGD, :math:`u(g) = -\eta g`):
 - adapt-with-combine (AWC): :math:`x^{+} = W x + u(\nabla f(x))`; the averaging of
   :math:`x` starts before the forward pass and overlaps forward and backward.
 - adapt-then-combine (ATC, diffusion; Sayed 2014): :math:`x^{+} = W (x + u(\nabla f(x)))`;
-  each bucket is stepped and its averaging started before the next bucket is stepped, and
-  the result is waited for at the next forward pass (or :meth:`synchronize`).
+  each bucket is stepped and its averaging started as soon as the backward pass has
+  produced its gradients, and each module waits for its own buckets' results before its
+  next forward pass (or :meth:`synchronize`).
 
 With a constant step size both settle at an :math:`O(\eta)` distance from the optimum of
 :math:`\sum_i f_i` when the local optima differ; a decaying step size removes the bias.
@@ -15,13 +16,18 @@ With a constant step size both settle at an :math:`O(\eta)` distance from the op
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Container
 
 import torch
 
 from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.optim.overlap import BucketwiseOptimizer, module_buckets
+from gossamer.profiling import timeline
 
 __all__ = ["AdaptThenCombine", "AdaptWithCombine"]
+
+_ROW = "optimizer"  # the timeline row of the optimizers' own spans
 
 
 class AdaptWithCombine(DecentralizedOptimizer):
@@ -77,8 +83,30 @@ class AdaptWithCombine(DecentralizedOptimizer):
         return loss
 
 
-class AdaptThenCombine(DecentralizedOptimizer):
+class AdaptThenCombine(BucketwiseOptimizer):
     r"""ATC: take the local step bucket by bucket, starting each bucket's combine at once.
+
+    With ``overlap=True`` (the default) the work follows the backward pass: as soon as the
+    gradients of every parameter of a bucket have been accumulated (a
+    ``register_post_accumulate_grad_hook`` on each parameter), the wrapped optimizer steps
+    that bucket's parameters (its own update rule, on a subset of its parameter groups, so
+    momentum, Adam's moments and weight decay are exactly torch's) and the bucket's neighbour
+    exchange is queued on the communication thread. Its wire time then hides behind the rest
+    of the backward pass. Buckets are queued in index order (reverse registration order), so
+    every rank issues the same rounds in the same order; a bucket ready early waits for the
+    ones before it. A module's forward pre-hook waits only for the combines of its own
+    buckets (and of the buckets queued before them, which are done by then) and writes them
+    into the parameters. :meth:`step` takes the local step of the buckets that were never
+    completed (parameters without a gradient in this step, a model with unused parameters)
+    and queues them; it does not wait.
+
+    What changes with ``overlap=True``: the gradients are consumed during ``backward()``, so
+    code that changes them between ``backward()`` and ``step()`` (gradient clipping,
+    ``GradScaler``'s unscaling and skipped steps) has no effect on communication steps; a
+    second backward pass before ``step()`` (gradient accumulation) must run inside
+    :meth:`no_sync`, except the last, or it raises ``RuntimeError``. Use ``overlap=False``
+    for those: the whole local step and every exchange then start in :meth:`step`. Steps that
+    do not communicate (``num_steps_per_communication > 1``) always step in :meth:`step`.
 
     ``exact_diffusion=True`` adds the exact-diffusion correction (Yuan et al., 2019), which
     removes the constant-step bias: with :math:`\psi_k = x_k + u_k` the local step,
@@ -88,28 +116,82 @@ class AdaptThenCombine(DecentralizedOptimizer):
     and the ranks converge to the exact optimum of :math:`\sum_i f_i` with a constant step
     size. It needs a doubly stochastic :math:`W` and communication at every step.
 
+    Args:
+        optimizer, model: as for every decentralized optimizer.
+        exact_diffusion (bool): add the exact-diffusion correction.
+        overlap (bool): step and send each bucket from the backward pass (see above).
+        **kwargs: the options of :class:`DecentralizedOptimizer`; ``fusion_threshold_bytes``
+            is the bucket size, and so the grain of the overlap.
+
     Example:
         >>> opt = AdaptThenCombine(torch.optim.Adam(model.parameters()), model)
-        >>> loss_fn(model(x), y).backward()
-        >>> opt.step()                 # local Adam step, then neighbour averaging starts
-        >>> model(x)                   # waits for the averaged parameters first
+        >>> loss_fn(model(x), y).backward()  # each bucket: local Adam step, exchange starts
+        >>> opt.step()                 # steps and sends what backward left (unused params)
+        >>> model(x)                   # each module waits for its own averaged parameters
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, model, *, exact_diffusion: bool = False, **kwargs
+        self,
+        optimizer: torch.optim.Optimizer,
+        model,
+        *,
+        exact_diffusion: bool = False,
+        overlap: bool = True,
+        **kwargs,
     ) -> None:
-        super().__init__(optimizer, model, **kwargs)
+        super().__init__(optimizer, model, overlap=overlap, **kwargs)
         if not isinstance(exact_diffusion, bool):
             raise TypeError(f"exact_diffusion must be a bool; got {exact_diffusion!r}")
         if exact_diffusion and self.num_steps_per_communication != 1:
             raise ValueError("exact_diffusion needs num_steps_per_communication=1")
         self.exact_diffusion = exact_diffusion
         self._psi_prev: dict[int, torch.Tensor] = {}
-        self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in self.models]
+        self._index = {bucket: i for i, bucket in enumerate(self.buckets)}
+        self._hooks += [
+            module.register_forward_pre_hook(functools.partial(self._before_forward, max(indices)))
+            for module, indices in module_buckets(self.models, self.buckets)
+        ]
 
-    def _before_forward(self, module, inputs) -> None:
-        self.synchronize()
+    # ------------------------------------------------------------------ hooks
+    def _before_forward(self, last: int, module, inputs) -> None:
+        # Rounds run in queue order on the communication thread, so the buckets queued
+        # before this module's are done when its own is: writing them too costs no wait and
+        # covers a parameter read outside its own module's forward.
+        self._finish(range(last + 1))
 
+    # ------------------------------------------------------------------ per bucket
+    def _step_bucket(self, index: int) -> tuple[torch.Tensor, Callable | None]:
+        """The wrapped optimizer's step on bucket ``index``; what to send, and its finish."""
+        bucket = self.buckets[index]
+        self._finish((index,))  # the previous combine of this bucket lands first
+        with timeline.activity(_ROW, "local step"):
+            x = bucket.pack().clone() if self.exact_diffusion else None
+            self._step_only(bucket.tensors)
+            sent = bucket.pack()
+            if x is None:
+                return sent, None
+            psi = sent.clone()
+            sent = psi + x - self._psi_prev.get(index, x)
+            self._psi_prev[index] = psi
+            return sent, _halved_sum(sent)
+
+    def _finish(self, indices: Container[int]) -> None:
+        """Wait for the rounds in flight on the buckets ``indices``; write their results."""
+        mine = [e for e in self._pending if self._index[e[0]] in indices]
+        if not mine:
+            return
+        self._pending = [e for e in self._pending if self._index[e[0]] not in indices]
+        with timeline.activity(_ROW, "waiting for combine"):
+            for bucket, handle, finish in mine:
+                if handle is not None:
+                    result = handle.wait()
+                    bucket.unpack(result if finish is None else finish(result), lambda p: p.data)
+
+    def synchronize(self) -> None:
+        """Wait for every combine in flight and write it into the parameters."""
+        self._finish(range(len(self.buckets)))
+
+    # ------------------------------------------------------------------ state
     def _comm_state(self) -> dict:
         # Exact diffusion's next step depends on the previous local step psi.
         psi = {i: t.clone() for i, t in self._psi_prev.items()}
@@ -128,23 +210,13 @@ class AdaptThenCombine(DecentralizedOptimizer):
         super()._load_comm_state(state)
         self._psi_prev = {i: t.clone() for i, t in psi.items()}
 
-    def _step_only(self, params: Iterable[torch.Tensor], closure=None):
-        """The wrapped optimizer's step restricted to ``params`` (its own update rule)."""
-        wanted = set(params)
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
-        try:
-            for g in groups:
-                g["params"] = [p for p in g["params"] if p in wanted]
-            return self.optimizer.step(closure)
-        finally:
-            for g, params_of_group in zip(groups, saved, strict=True):
-                g["params"] = params_of_group
-
     def step(self, closure=None):
-        """Local step; on communication steps, bucket by bucket with the combine started."""
-        self.synchronize()
+        """Finish the step: on communication steps, step and queue the buckets left.
+
+        On other steps: wait for the combines in flight, then the wrapped optimizer's step.
+        """
         if not self._is_round():
+            self.synchronize()
             loss = self.optimizer.step(closure)
         elif closure is not None:
             raise ValueError(
@@ -152,18 +224,8 @@ class AdaptThenCombine(DecentralizedOptimizer):
                 "steps (the step is split per bucket)"
             )
         else:
-            self.communicator.next_round()
             loss = None
-            for index, bucket in enumerate(self.buckets):
-                x = bucket.pack().clone() if self.exact_diffusion else None
-                self._step_only(bucket.tensors)
-                sent, finish = bucket.pack(), None
-                if x is not None:
-                    psi = sent.clone()
-                    sent = psi + x - self._psi_prev.get(index, x)
-                    self._psi_prev[index] = psi
-                    finish = _halved_sum(sent)
-                self._pending.append((bucket, self.communicator.start(sent, index), finish))
+            self._take_remaining_steps()
         self.steps += 1
         return loss
 

@@ -7,7 +7,8 @@ r"""Asynchronous optimizers over one-sided windows: no rank ever waits for anoth
 - :class:`PushSum` (stochastic gradient push; Assran et al., 2019): each rank steps on
   :math:`z_i = x_i / p_i`, then pushes shares of :math:`(x_i, p_i)` to its out-neighbours and
   adds what it received (:class:`~gossamer.communicators.PushSumGossip`), also on directed
-  graphs.
+  graphs. Each bucket is stepped and pushed from the backward pass; :meth:`PushSum.step`
+  collects.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from collections.abc import Iterator
 
 import torch
 
-from gossamer import context
 from gossamer.communicators import PushSumGossip, WindowPutGossip
-from gossamer.optim.base import DecentralizedOptimizer
 from gossamer.optim.combine import AdaptWithCombine
+from gossamer.optim.overlap import BucketwiseOptimizer
+from gossamer.profiling import timeline
 from gossamer.topology import Step, Topology
 
 __all__ = ["PushSum", "WindowPut"]
@@ -121,7 +122,7 @@ class WindowPut(_OverWindows, AdaptWithCombine):
         return self.optimizer.step(closure)
 
 
-class PushSum(_OverWindows, DecentralizedOptimizer):
+class PushSum(_OverWindows, BucketwiseOptimizer):
     r"""Asynchronous push-sum SGD over windows (works on directed graphs).
 
     The windows hold :math:`x_i = p_i z_i`; the parameters hold :math:`z_i`, which the
@@ -129,21 +130,38 @@ class PushSum(_OverWindows, DecentralizedOptimizer):
     :meth:`state_dict` holds the windows' contents and weights, so a resumed run continues
     exactly.
 
+    With ``overlap=True`` (the default), on communication steps, each bucket is stepped as
+    soon as the backward pass has accumulated its gradients and its shares are pushed at
+    once (as :class:`~gossamer.optim.AdaptThenCombine` does; the same rules for gradient
+    accumulation, :meth:`no_sync` and gradients changed after ``backward()`` apply);
+    :meth:`step` steps and pushes the buckets backward did not complete, then collects
+    what arrived into every bucket. ``overlap=False`` does all of it in :meth:`step`.
+
     Example:
         >>> opt = PushSum(torch.optim.SGD(model.parameters(), lr=0.1), model)
-        >>> loss_fn(model(x), y).backward()
-        >>> opt.step()       # local step, push shares of (x, p), add what arrived
+        >>> loss_fn(model(x), y).backward()  # per bucket: local step, shares pushed
+        >>> opt.step()       # push what is left, collect what arrived
     """
 
     gossip = PushSumGossip
 
+    def _step_bucket(self, index: int) -> tuple[torch.Tensor, None]:
+        bucket = self.buckets[index]
+        with timeline.activity("optimizer", "local step"):
+            self._step_only(bucket.tensors)
+        return bucket.pack(), None
+
     def step(self, closure=None):
         """Local step, then (on communication steps) push shares and collect."""
-        loss = self.optimizer.step(closure)
-        self.steps += 1
-        if self.steps % self.num_steps_per_communication or context.size() == 1:
+        if not self._is_round():
+            loss = self.optimizer.step(closure)
+            self.steps += 1
             return loss
-        self.communicator.next_round()
-        for index, bucket in enumerate(self.buckets):
-            bucket.unpack(self.communicator.start(bucket.pack(), index).wait(), lambda p: p.data)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()  # its backward pass may already step and push buckets
+        self._take_remaining_steps()
+        self.synchronize()
+        self.steps += 1
         return loss

@@ -1,0 +1,185 @@
+"""Hook-driven overlap: the local step bucket by bucket, from the backward pass.
+
+:class:`BucketwiseOptimizer` is the base of the optimizers that step each bucket as soon as
+the backward pass has produced its gradients and start its round at once
+(adapt-then-combine, push-sum). Its bookkeeping: from a parameter's gradient hook to the
+bucket it completes (:class:`Arrivals`), and from a module's forward pre-hook to the buckets
+whose result the module must wait for (:func:`module_buckets`).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from gossamer.fusion import Bucket
+from gossamer.optim.base import DecentralizedOptimizer
+
+__all__ = ["Arrivals", "BucketwiseOptimizer", "module_buckets"]
+
+
+class Arrivals:
+    """The parameters whose gradient arrived during the step under way, per bucket.
+
+    Args:
+        buckets (Sequence[Bucket]): the optimizer's buckets.
+        names (Mapping[torch.Tensor, str]): each parameter's name, for error messages.
+    """
+
+    def __init__(self, buckets: Sequence[Bucket], names: Mapping[torch.Tensor, str]) -> None:
+        self._bucket_of = {p: i for i, b in enumerate(buckets) for p in b.tensors}
+        self._sizes = [len(b.tensors) for b in buckets]
+        self._names = names
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the arrivals: a new step begins."""
+        self._seen: set[torch.Tensor] = set()
+        self._missing = list(self._sizes)
+
+    @property
+    def any(self) -> bool:
+        """Whether a gradient arrived since the last :meth:`reset`."""
+        return bool(self._seen)
+
+    def arrive(self, param: torch.Tensor) -> int | None:
+        """Record ``param``'s gradient; the index of its bucket if that completed the bucket.
+
+        Raises:
+            RuntimeError: ``param``'s gradient already arrived in this step: a second
+                backward pass before ``step()`` (the first already stepped with a partial
+                gradient, which cannot be undone).
+        """
+        if param in self._seen:
+            raise RuntimeError(
+                f"the gradient of {self._names.get(param, 'a parameter')!r} arrived twice "
+                "before step(): with overlap=True the local step of each bucket is taken in "
+                "the backward pass that completes its gradients, so a second backward pass "
+                "(gradient accumulation) must run inside optimizer.no_sync(), except the last; "
+                "or construct the optimizer with overlap=False"
+            )
+        self._seen.add(param)
+        index = self._bucket_of[param]
+        self._missing[index] -= 1
+        return index if self._missing[index] == 0 else None
+
+
+def module_buckets(
+    models: Sequence[nn.Module], buckets: Sequence[Bucket]
+) -> list[tuple[nn.Module, list[int]]]:
+    """Each module that owns parameters of ``buckets`` directly, with those buckets' indices.
+
+    Only a module's own parameters count (``recurse=False``), so a module's forward pre-hook
+    waits for exactly the buckets its forward reads; modules owning none are left out.
+    """
+    index_of = {p: i for i, b in enumerate(buckets) for p in b.tensors}
+    found: list[tuple[nn.Module, list[int]]] = []
+    seen: set[int] = set()
+    for model in models:
+        for module in model.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            indices = sorted(
+                {index_of[p] for p in module.parameters(recurse=False) if p in index_of}
+            )
+            if indices:
+                found.append((module, indices))
+    return found
+
+
+class BucketwiseOptimizer(DecentralizedOptimizer, abc.ABC):
+    """An optimizer that takes the local step bucket by bucket, from the backward pass.
+
+    With ``overlap=True``, on communication steps, the post-accumulate-grad hook of each
+    parameter records its gradient; when a bucket's gradients are all in, the bucket is
+    stepped (:meth:`_step_bucket`, which says what to send) and the stepped buckets are
+    queued in index order, up to the first one not stepped yet, so that every rank starts
+    the same rounds in the same order. The step's first round advances the communicator
+    (a dynamic schedule's peers are fixed for the whole step). :meth:`_take_remaining_steps`
+    (called by ``step()``) steps and queues the buckets backward did not complete.
+
+    Args:
+        optimizer, model, **kwargs: as for :class:`DecentralizedOptimizer`.
+        overlap (bool): take the local steps and start the rounds from the backward pass.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model, *, overlap: bool = True, **kwargs):
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool; got {overlap!r}")
+        super().__init__(optimizer, model, **kwargs)
+        self.overlap = overlap
+        self._arrivals = Arrivals(self.buckets, self.param_names)
+        # Buckets stepped in this step and not queued yet: index -> (what to send, finish).
+        self._ready: dict[int, tuple[torch.Tensor, Callable | None]] = {}
+        self._queued = 0  # buckets 0.._queued-1 are queued in this step
+        self._no_sync = False
+        if overlap:
+            self._hooks += [
+                p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params
+            ]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (no local step, no exchange)."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    @property
+    def step_in_progress(self) -> bool:
+        """Whether a backward pass began this step's local steps and ``step()`` has not run."""
+        return self._arrivals.any or bool(self._ready) or self._queued > 0
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if self._no_sync or not self._is_round():
+            return
+        index = self._arrivals.arrive(param)
+        if index is not None:
+            self._ready[index] = self._step_bucket(index)
+            self._queue_ready()
+
+    @abc.abstractmethod
+    def _step_bucket(self, index: int) -> tuple[torch.Tensor, Callable | None]:
+        """Take bucket ``index``'s local step; return what to send and the result's finish."""
+
+    def _step_only(self, params: Iterable[torch.Tensor], closure=None):
+        """The wrapped optimizer's step restricted to ``params`` (its own update rule)."""
+        wanted = set(params)
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = [p for p in g["params"] if p in wanted]
+            return self.optimizer.step(closure)
+        finally:
+            for g, params_of_group in zip(groups, saved, strict=True):
+                g["params"] = params_of_group
+
+    def _queue_ready(self) -> None:
+        """Queue the stepped buckets in index order, up to the first one not stepped yet."""
+        while self._queued in self._ready:
+            index = self._queued
+            if index == 0:  # the step's first round fixes its peers (dynamic schedules)
+                self.communicator.next_round()
+            sent, finish = self._ready.pop(index)
+            self._pending.append(
+                (self.buckets[index], self.communicator.start(sent, index), finish)
+            )
+            self._queued += 1
+
+    def _take_remaining_steps(self) -> None:
+        """Step and queue every bucket backward did not; the step's bookkeeping restarts."""
+        # The first bucket not queued was never stepped (else it would be queued). Each is
+        # queued before the next is stepped: its round overlaps the following steps.
+        while self._queued < len(self.buckets):
+            self._ready[self._queued] = self._step_bucket(self._queued)
+            self._queue_ready()
+        self._arrivals.reset()
+        self._queued = 0

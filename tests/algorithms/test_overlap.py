@@ -1,0 +1,370 @@
+"""Overlapped adapt-then-combine against the serial algorithm computed in one process.
+
+With ``overlap=True`` each bucket is stepped and sent from the backward pass and combined
+in its module's forward pre-hook; the result must still be, step by step,
+:math:`x_i^{k+1} = \\sum_j W_k[j, i]\\,\\psi_j^k` with :math:`\\psi_j^k` the wrapped torch
+optimizer's step from :math:`x_j^k` (ATC diffusion), which ``serial_atc`` computes for all
+ranks in one process from the full weight matrices.
+"""
+
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import gossamer
+from gossamer import optim
+from gossamer import topology as topo
+from gossamer.profiling import timeline
+from gossamer.testing import run_distributed
+from oracle import mix
+
+STEPS = 4
+TOLERANCE = dict(rtol=1e-9, atol=1e-11)
+
+
+class Net(nn.Module):
+    """Three layers in use and one never used (its bucket gets no gradient)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(3, 6)
+        self.unused = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.c = nn.Linear(6, 1)
+        self.double()
+        # Different starting points per rank, so that the combine matters everywhere.
+        g = torch.Generator().manual_seed(50 + rank)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))).squeeze(1)
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 3, generator=g, dtype=torch.float64), torch.randn(
+        8, generator=g, dtype=torch.float64
+    )
+
+
+def _loss(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def _torch_optimizer(kind, model):
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.05, weight_decay=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+CASES = {
+    # name: (torch optimizer, num_steps_per_communication, dynamic schedule, accumulate,
+    #        exact diffusion)
+    "sgd-momentum": ("sgd", 1, False, False, False),
+    "adam": ("adam", 1, False, False, False),
+    "every-2": ("sgd", 2, False, False, False),
+    "one-peer": ("adam", 1, True, False, False),
+    "accumulate": ("sgd", 1, False, True, False),
+    "exact-diffusion": ("sgd", 1, False, False, True),
+}
+
+
+# ---------------------------------------------------------------- the serial algorithm
+def _static_weights(n):
+    """exponential_two(n) with uniform weights: in-neighbours i - 2^k, all 1/(degree+1)."""
+    shifts = sorted({2**k % n for k in range(max(1, (n - 1).bit_length())) if 2**k % n})
+    W = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        for j in [i] + [(i - s) % n for s in shifts]:
+            W[j, i] = 1.0 / (len(shifts) + 1)
+    return W
+
+
+def _one_peer_weights(n, round_):
+    """Round ``round_`` of one-peer exponential-two: average with rank i - 2^(r mod log2 n)."""
+    shift = 2 ** (round_ % max(1, (n - 1).bit_length()))
+    W = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        W[i, i] += 0.5
+        W[(i - shift) % n, i] += 0.5
+    return W
+
+
+def serial_atc(case, n):
+    """Every rank's parameters before each step and at the end, simulated in one process."""
+    kind, every, dynamic, accumulate, exact = CASES[case]
+    models = [Net(r) for r in range(n)]
+    opts = [_torch_optimizer(kind, m) for m in models]
+    history, rounds, psi_prev = [], 0, None
+    for step in range(STEPS):
+        history.append([[p.detach().clone() for p in m.parameters()] for m in models])
+        start = history[-1]  # x_k of every rank
+        for rank, (model, opt) in enumerate(zip(models, opts, strict=True)):
+            opt.zero_grad()
+            x, y = _batch(rank, step)
+            if accumulate:
+                _loss(model, x[:4], y[:4]).backward()
+                _loss(model, x[4:], y[4:]).backward()
+            else:
+                _loss(model, x, y).backward()
+            opt.step()
+        if (step + 1) % every == 0:
+            W = _one_peer_weights(n, rounds) if dynamic else _static_weights(n)
+            rounds += 1
+            params = [list(m.parameters()) for m in models]
+            psi = [[p.detach().clone() for p in ps] for ps in params]
+            if exact:  # phi = psi + x - psi_prev; x+ = (phi + W phi) / 2
+                before = start if psi_prev is None else psi_prev
+                sent = [
+                    [a + b - c for a, b, c in zip(*t, strict=True)]
+                    for t in zip(psi, start, before, strict=True)
+                ]
+                psi_prev = psi
+            else:
+                sent = psi
+            for k in range(len(params[0])):
+                mixed = mix(W.numpy(), [sent[r][k] for r in range(n)])
+                with torch.no_grad():
+                    for r in range(n):
+                        value = (sent[r][k] + mixed[r]) / 2 if exact else mixed[r]
+                        params[r][k].copy_(value)
+    final = [[p.detach().clone() for p in m.parameters()] for m in models]
+    return history, final
+
+
+# ---------------------------------------------------------------- the distributed runs
+def _overlapped(case, overlap):
+    """Train with AdaptThenCombine; the parameters each forward pass sees, and the end."""
+    kind, every, dynamic, accumulate, exact = CASES[case]
+    rank, n = gossamer.rank(), gossamer.size()
+    model = Net(rank)
+    options = {"schedule": topo.one_peer_exponential(topo.exponential_two(n), rank)}
+    if not dynamic:
+        options = {"topology": topo.exponential_two(n)}
+    opt = optim.AdaptThenCombine(
+        _torch_optimizer(kind, model),
+        model,
+        overlap=overlap,
+        exact_diffusion=exact,
+        num_steps_per_communication=every,
+        fusion_threshold_bytes=100,  # 7 buckets of float64 parameters
+        **options,
+    )
+    seen, stepped_in_backward = [], []
+    # Registered after the optimizer's pre-hooks: runs once every module waited for its own.
+    model.register_forward_hook(
+        lambda m, i, o: seen.append([p.detach().clone() for p in model.parameters()])
+    )
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = _batch(rank, step)
+        if accumulate:
+            with opt.no_sync():
+                _loss(model, x[:4], y[:4]).backward()
+            loss = _loss(model, x[4:], y[4:])
+        else:
+            loss = _loss(model, x, y)
+        before = model.c.weight.detach().clone()  # after forward, which wrote the combine
+        loss.backward()
+        stepped_in_backward.append(not torch.equal(before, model.c.weight))
+        opt.step()
+    opt.synchronize()
+    final = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    # With accumulation two forward passes run per step; the first one sees x_k.
+    return seen[:: 2 if accumulate else 1], final, stepped_in_backward, len(opt.buckets)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}-ranks")
+def runs(request):
+    n = request.param
+    got = {}
+    for case in CASES:
+        got[case, True] = run_distributed(_overlapped, n, args=(case, True), timeout=120)
+    got["sgd-momentum", False] = run_distributed(_overlapped, n, args=("sgd-momentum", False))
+    return n, got
+
+
+def _names():
+    return [name for name, _ in Net(0).named_parameters()]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_overlapped_atc_matches_the_serial_algorithm_step_by_step(runs, case):
+    n, got = runs
+    history, final = serial_atc(case, n)
+    names = _names()
+    for rank, (seen, end, _, buckets) in enumerate(got[case, True]):
+        assert buckets == 7
+        assert len(seen) == STEPS
+        for step in range(STEPS):
+            for name, a, b in zip(names, seen[step], history[step][rank], strict=True):
+                # The unused layer's combine is written lazily (its module never runs
+                # forward): it is checked at the end.
+                if not name.startswith("unused"):
+                    msg = f"rank {rank}, step {step}, {name}: "
+                    torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=msg: s + m)
+        for name, a, b in zip(names, end, final[rank], strict=True):
+            torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=name: f"{s}: {m}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_local_step_is_taken_during_backward_on_communication_steps(runs, case):
+    _, got = runs
+    every = CASES[case][1]
+    for _, _, stepped_in_backward, _ in got[case, True]:
+        assert stepped_in_backward == [(k + 1) % every == 0 for k in range(STEPS)]
+
+
+def test_without_overlap_the_result_is_the_same_and_nothing_steps_in_backward(runs):
+    _, got = runs
+    for (_, a, _, _), (_, b, stepped, _) in zip(
+        got["sgd-momentum", True], got["sgd-momentum", False], strict=True
+    ):
+        assert stepped == [False] * STEPS
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, **TOLERANCE)
+
+
+def _second_backward():
+    model = Net(gossamer.rank())
+    opt = optim.AdaptThenCombine(_torch_optimizer("sgd", model), model, fusion_threshold_bytes=100)
+    x, y = _batch(gossamer.rank(), 0)
+    _loss(model, x, y).backward()
+    with pytest.raises(RuntimeError, match=r"'c\.\w+' arrived twice before step\(\).*no_sync"):
+        _loss(model, x, y).backward()
+    with pytest.raises(TypeError, match="overlap must be a bool"):
+        optim.AdaptThenCombine(_torch_optimizer("sgd", model), model, overlap=1)
+    opt.step()
+    opt.close()
+    return True
+
+
+def test_a_second_backward_pass_before_step_is_refused_naming_the_parameter():
+    assert run_distributed(_second_backward, 2) == [True, True]
+
+
+# ---------------------------------------------------------------- the timeline shows it
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: the model's first layer, so the last in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.4)
+        return grad
+
+
+class _SlowNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(3, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = _SlowBackward.apply(torch.tanh(self.a(x)))
+        return self.c(torch.tanh(self.b(h))).squeeze(1)
+
+
+def _traced_training(kind, path):
+    model = _SlowNet()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if kind == "atc":
+        opt = optim.AdaptThenCombine(sgd, model, fusion_threshold_bytes=64)
+    else:
+        opt = optim.GradientAllreduce(sgd, model, fusion_threshold_bytes=64)
+    x, y = _batch(gossamer.rank(), 0)
+    timeline.start_timeline(path)
+    try:
+        for _ in range(2):
+            opt.zero_grad()
+            with timeline.activity("train", "forward"):
+                loss = _loss(model, x.float(), y.float())
+            with timeline.activity("train", "backward"):
+                loss.backward()
+            opt.step()
+        opt.synchronize()
+    finally:
+        (written,) = timeline.stop_timeline()
+    opt.close()
+    return str(written)
+
+
+def _spans(path):
+    """``[(row, activity, start us, end us)]`` of a per-rank trace file."""
+    with open(path, encoding="utf-8") as f:
+        events = json.load(f)["traceEvents"]
+    rows = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    return [
+        (rows[e["tid"]].split(" (")[0], e["name"], e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e["ph"] == "X"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kind", "op"), [("atc", "neighbor_allreduce"), ("gradient-allreduce", "allreduce")]
+)
+def test_timeline_shows_communication_inside_the_backward_pass(tmp_path, kind, op):
+    paths = run_distributed(_traced_training, 2, args=(kind, str(tmp_path / kind)))
+    for path in paths:
+        spans = _spans(path)
+        backward = [(t0, t1) for row, what, t0, t1 in spans if (row, what) == ("train", "backward")]
+        rounds = [(t0, t1) for row, what, t0, t1 in spans if (row, what) == (op, "communicating")]
+        assert len(backward) == 2 and rounds
+        # Some exchange both started and finished while backward was still running.
+        for b0, b1 in backward:
+            assert any(b0 <= r0 and r1 <= b1 for r0, r1 in rounds), (backward, rounds)
+        if kind == "atc":
+            steps = [(t0, t1) for row, what, t0, t1 in spans if what == "local step"]
+            assert all(any(b0 <= s0 and s1 <= b1 for s0, s1 in steps) for b0, b1 in backward)
+
+
+# ---------------------------------------------------------------- push-sum
+def _push_sum(overlap):
+    """Push-sum with ranks taking whole steps in turn, so each collect is deterministic."""
+    rank, n = gossamer.rank(), gossamer.size()
+    model = Net(rank)
+    opt = optim.PushSum(
+        _torch_optimizer("sgd", model),
+        model,
+        topology=topo.exponential_two(n),
+        overlap=overlap,
+        fusion_threshold_bytes=100,
+    )
+    stepped_in_backward = []
+    for step in range(STEPS):
+        for turn in range(n):
+            if turn == rank:
+                opt.zero_grad()
+                x, y = _batch(rank, step)
+                loss = _loss(model, x, y)
+                before = model.c.weight.detach().clone()
+                loss.backward()
+                stepped_in_backward.append(not torch.equal(before, model.c.weight))
+                opt.step()
+            gossamer.barrier()
+    final = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return final, stepped_in_backward
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_overlapped_push_sum_matches_push_sum_stepped_in_step(world_size):
+    overlapped = run_distributed(_push_sum, world_size, args=(True,))
+    serial = run_distributed(_push_sum, world_size, args=(False,))
+    for (a, in_backward), (b, not_in_backward) in zip(overlapped, serial, strict=True):
+        assert in_backward == [True] * STEPS and not_in_backward == [False] * STEPS
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, **TOLERANCE)
