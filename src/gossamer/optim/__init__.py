@@ -8,14 +8,20 @@ class                      what a step does
 ``GradientAllreduce``      average gradients over all ranks during backward, then step
 ``WindowPut``              asynchronous: put parameters to neighbours' windows, combine
 ``PushSum``                asynchronous push-sum SGD, also on directed graphs
+``SkewScout``              wraps one of the above; tunes its period to the accuracy loss
+``FedHiSyn``               ATC on a ring inside each speed group, global average per round
+``CoCoFL``                 constrained ranks freeze layers (int8), masked averaging
 =========================  ==============================================================
 """
 
 from __future__ import annotations
 
 from gossamer.optim.base import COMMUNICATIONS, Communicator, DecentralizedOptimizer
+from gossamer.optim.cocofl import CoCoFL, quantize_frozen
 from gossamer.optim.combine import AdaptThenCombine, AdaptWithCombine
+from gossamer.optim.fedhisyn import FedHiSyn, group_by_speed, grouped_ring
 from gossamer.optim.gradient_allreduce import GradientAllreduce
+from gossamer.optim.skewscout import PeriodController, SkewScout
 from gossamer.optim.utils import (
     allreduce_parameters,
     broadcast_optimizer_state,
@@ -28,13 +34,20 @@ __all__ = [
     "COMMUNICATIONS",
     "AdaptThenCombine",
     "AdaptWithCombine",
+    "CoCoFL",
     "Communicator",
     "DecentralizedOptimizer",
+    "FedHiSyn",
     "GradientAllreduce",
+    "PeriodController",
     "PushSum",
+    "SkewScout",
     "WindowPut",
     "allreduce_parameters",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "consensus_distance",
+    "group_by_speed",
+    "grouped_ring",
+    "quantize_frozen",
 ]
