@@ -1,6 +1,6 @@
 """Skewed data and uneven devices: accuracy, bytes and pace of the skew-aware methods.
 
-    python -m benchmarks.heterogeneity --quick     # ~2 min on 2 cores: launches 8 ranks
+    python -m benchmarks.heterogeneity --quick     # ~3 min on 2 cores: launches 8 ranks
     python -m benchmarks.heterogeneity             # the full run (~15 min on 2 cores)
 
 Run from the repository root; the script starts its own job of ``--ranks`` ranks with the
@@ -11,9 +11,9 @@ configuration on a small machine).
 Every configuration trains the same MLP (64-64-64-10, identical initial weights) on
 scikit-learn's bundled digits (:func:`gossamer.data.load_digits`, a fixed 20 % test split),
 each rank on its own part of the training set, with SGD (momentum 0.9), ``--batch`` images
-per rank per step, for ``--steps`` steps. The training set is split three ways
-(:mod:`gossamer.data`): IID, Dirichlet(0.1) label skew, and 2 classes per rank. The
-methods (:data:`METHODS`):
+per rank per step, for ``--steps`` steps (300; ``--quick``: 64 steps, ring only). The
+training set is split three ways (:mod:`gossamer.data`): IID, Dirichlet(0.1) label skew,
+and 2 classes per rank. The methods (:data:`METHODS`):
 
 - ``atc``: adapt-then-combine on the graph (``ring`` or ``exp2``), every step;
 - ``allreduce``: gradient allreduce, the centralized reference;
@@ -21,12 +21,16 @@ methods (:data:`METHODS`):
 - ``clumping``: ATC on a peer-clumping graph (degree 2, label histograms as the proxy);
 - ``skewscout``: ATC on the graph, its period tuned by SkewScout (probe every 10 steps,
   threshold 5 points of accuracy loss, period 1 to 16), each rank probing on 64 of its images;
-- ``fedhisyn``: groups by measured step time, ring inside each group, global average every
-  8 steps of the slow group (the fast group takes proportionally more steps);
-- ``cocofl``: the slow ranks freeze the first layer and run it in int8, masked averaging
-  on the graph every step;
-- ``ngc``, ``compngc``, ``dacfl``, ``ngo``: from ``gossamer.optim`` when built (skipped
-  with a line saying so otherwise).
+- ``fedhisyn``: groups by step time, ring inside each group, global average every 8 steps
+  of the slow group (the fast group takes proportionally more steps). The step times are
+  the simulated devices' (``--fedhisyn-speeds given``, the default: on a shared 2-core
+  machine the contention between 8 ranks swamps a few milliseconds of simulated slowness)
+  or timed over 10 local steps (``measured``);
+- ``cocofl``: the slow ranks freeze the first layer and run it in int8 (they are not made
+  faster for it: the simulated delay stays), averaging on the graph every step;
+- ``clique-avg``, ``ngc``, ``compngc``, ``dacfl``, ``ngo``: the other skew optimizers, when
+  built (skipped with a line saying so otherwise; their bytes are not counted where they
+  send more than one model per neighbour per round).
 
 Uneven devices: every rank sleeps ``--delay-ms`` per step, the odd ranks twice that (they
 are 2x slower), in every configuration, so the synchronous methods run at the slow ranks'
@@ -43,13 +47,14 @@ excluded). Writes ``results/heterogeneity/{results.json,table.md,accuracy.png}``
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -64,7 +69,14 @@ from gossamer.models import MLP
 
 PARTITIONS = ("iid", "dirichlet-0.1", "2-classes")
 GRAPHS = ("ring", "exp2")
-LATER = {"ngc": "NGC", "compngc": "CompNGC", "dacfl": "DACFL", "ngo": "NGO"}
+# methods of the other skew optimizers: (module, class) that must exist for them to run
+LATER = {
+    "clique-avg": ("gossamer.optim", "CliqueAveraging"),
+    "ngc": ("gossamer.optim", "NGC"),
+    "compngc": ("gossamer.optim", "CompNGC"),
+    "dacfl": ("gossamer.optim", "DACFL"),
+    "ngo": ("gossamer.communicators", "NonlinearGossip"),
+}
 
 
 @dataclass
@@ -87,9 +99,9 @@ class Method:
 
     build: Callable[[nn.Module, torch.optim.Optimizer, Setup], object]
     on_graph: bool  # runs once per graph (else once per partition, on its own graph)
-    needs: str | None = None  # a class of gossamer.optim that may not be built yet
-    note: str = ""
-    extra: dict = field(default_factory=dict)
+    needs: tuple[str, str] | None = None  # (module, class) that may not be built yet
+    closure: bool = False  # step(closure) computes the loss; the loop does no backward
+    counted: bool = True  # whether _sent_bytes knows this method's traffic
 
 
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -135,7 +147,11 @@ def _skewscout(model, base, s):
 
 
 def _fedhisyn(model, base, s):
-    return optim.FedHiSyn(base, model, num_groups=2, interval=8, calibration_steps=10)
+    if s.args.fedhisyn_speeds == "measured":
+        return optim.FedHiSyn(base, model, num_groups=2, interval=8, calibration_steps=10)
+    # The simulated device's step time: on a loaded machine, contention swamps a few ms.
+    step_time = s.args.delay_ms * (2 if s.slow else 1) / 1000
+    return optim.FedHiSyn(base, model, num_groups=2, interval=8, step_time=step_time)
 
 
 def _cocofl(model, base, s):
@@ -143,12 +159,26 @@ def _cocofl(model, base, s):
     return optim.CoCoFL(base, model, frozen=["1"], constrained=s.slow, topology=s.graph)
 
 
-def _later(name):
+def _built(needs: tuple[str, str]) -> object | None:
+    module, name = needs
+    return getattr(importlib.import_module(module), name, None)
+
+
+def _clique_averaging(model, base, s):
+    cliques = topo.d_cliques(s.histograms, clique_size=4, seed=s.args.seed)
+    return _built(LATER["clique-avg"])(base, model, cliques)
+
+
+def _on_graph(name):
     def build(model, base, s):
-        cls = getattr(optim, LATER[name])
-        return cls(base, model, topology=s.graph)
+        return _built(LATER[name])(base, model, topology=s.graph)
 
     return build
+
+
+def _ngo(model, base, s):
+    gossip = _built(LATER["ngo"])(s.graph)
+    return optim.AdaptThenCombine(base, model, communicator=gossip)
 
 
 METHODS: dict[str, Method] = {
@@ -159,7 +189,13 @@ METHODS: dict[str, Method] = {
     "skewscout": Method(_skewscout, True),
     "fedhisyn": Method(_fedhisyn, False),
     "cocofl": Method(_cocofl, True),
-    **{name: Method(_later(name), True, needs=cls) for name, cls in LATER.items()},
+    # the other skew optimizers; bytes of the first three are not counted (they also send
+    # gradients or cross-gradients, which the round count here does not see)
+    "clique-avg": Method(_clique_averaging, False, LATER["clique-avg"], counted=False),
+    "ngc": Method(_on_graph("ngc"), True, LATER["ngc"], closure=True, counted=False),
+    "compngc": Method(_on_graph("compngc"), True, LATER["compngc"], closure=True, counted=False),
+    "dacfl": Method(_on_graph("dacfl"), True, LATER["dacfl"]),
+    "ngo": Method(_ngo, True, LATER["ngo"]),
 }
 
 
@@ -237,14 +273,17 @@ class Batches:
         return self.order[self.at - self.batch : self.at]
 
 
-def _steps(opt, model, batches, train, count, s, loss_fn) -> None:
+def _steps(opt, model, batches, train, count, s, loss_fn, closure=False) -> None:
     x, y = train
     delay = s.args.delay_ms / 1000 * (2 if s.slow else 1)
     for _ in range(count):
         index = batches.next()
         opt.zero_grad()
-        loss_fn(model(x[index]), y[index]).backward()
-        opt.step()
+        if closure:  # NGC evaluates the loss at several models itself
+            opt.step(lambda index=index: loss_fn(model(x[index]), y[index]))
+        else:
+            loss_fn(model(x[index]), y[index]).backward()
+            opt.step()
         if delay:
             time.sleep(delay)  # the simulated device: odd ranks are 2x slower
 
@@ -289,12 +328,12 @@ def run_one(name: str, method: Method, s: Setup, train, test) -> dict:
         while done < args.steps:
             count = min(args.eval_every, args.steps - done)
             with clock:
-                _steps(opt, model, batches, train, count, s, loss_fn)
+                _steps(opt, model, batches, train, count, s, loss_fn, method.closure)
                 opt.synchronize()
             samples += count * args.batch
             done += count
             curve.append((done, _mean(_accuracy(model, *test))))
-    sent = _mean(_sent_bytes(opt, model, s.size, s.rank))
+    sent = _mean(_sent_bytes(opt, model, s.size, s.rank)) if method.counted else float("nan")
     seconds = _max(clock.seconds)
     total_samples = _mean(samples) * s.size
     row = {
@@ -344,14 +383,15 @@ def worker(args: argparse.Namespace) -> None:
         partition = _partition(kind, train[1], size, args.seed)
         histograms = data.label_histograms(partition, train[1], num_classes=10)
         skew = data.skew(partition, train[1]).mean
-        say(f"--- partition {kind}: skew {skew:.2f}, part sizes {list(partition.sizes)}")
+        say(f"--- partition {kind}: skew {skew:.2f}, part sizes {partition.sizes.tolist()}")
         part = torch.tensor(partition.part(rank))
         probe_index = part[torch.randperm(len(part), generator=torch.Generator().manual_seed(7))]
         probe = (train[0][probe_index[:64]], train[1][probe_index[:64]])
         for name in methods:
             method = METHODS[name]
-            if method.needs is not None and not hasattr(optim, method.needs):
-                say(f"{name:10s} not built yet (gossamer.optim.{method.needs} is missing): skipped")
+            if method.needs is not None and _built(method.needs) is None:
+                where = ".".join(method.needs)
+                say(f"{name:10s} not built yet ({where} is missing): skipped")
                 continue
             for graph_name in args.graphs if method.on_graph else ("own",):
                 s = Setup(
@@ -419,9 +459,10 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     ]
     for r in rows:
         gap = "" if r["gap_to_iid"] is None else f"{r['gap_to_iid']:+.1f}"
+        sent = "n/c" if np.isnan(r["bytes_per_rank"]) else f"{r['bytes_per_rank'] / 1e6:.2f}"
         lines.append(
             f"| {r['partition']} | {r['method']} | {r['graph']} | {100 * r['accuracy']:.1f}% | "
-            f"{gap} | {r['bytes_per_rank'] / 1e6:.2f} | {r['samples_per_s']:.0f} |"
+            f"{gap} | {sent} | {r['samples_per_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -480,6 +521,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16, help="images per rank per step")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--delay-ms", type=float, default=5.0, help="fast ranks' sleep")
+    parser.add_argument(
+        "--fedhisyn-speeds",
+        choices=("given", "measured"),
+        default="given",
+        help="FedHiSyn's step times: the simulated devices' (default) or timed (10 steps)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS), choices=PARTITIONS)
     parser.add_argument(

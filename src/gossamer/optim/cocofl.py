@@ -17,14 +17,20 @@ layers, else 1:
 - **forward of a frozen layer** on a constrained rank: ``torch.ao.nn.quantized.dynamic.Linear``
   built with ``from_float`` from the float layer (int8 weights, per-tensor scale; activations
   quantized dynamically per call, output in float);
-- **averaging**, every ``num_steps_per_communication`` steps, masked so that a layer is
-  averaged over the ranks that train it:
+- **averaging**, every ``num_steps_per_communication`` steps. With ``masked=True`` (the
+  default for the global average) a layer is averaged over the ranks that train it, as the
+  CoCoFL server does:
 
   .. math:: p_i \leftarrow \frac{\sum_j w_{ji}\, m_j(p)\, p_j}{\sum_j w_{ji}\, m_j(p)}
 
   with :math:`w` the uniform global average (``topology=None``: one allreduce) or a
   topology's weights (one neighbour allreduce); where no rank in the sum trains :math:`p`
-  it is left as is. The denominators are fixed and computed once, at construction;
+  it is left as is. The denominators are fixed and computed once, at construction. With
+  ``masked=False`` (the default on a graph) every rank averages every layer as usual,
+  :math:`p_i \leftarrow \sum_j w_{ji} p_j`: a constrained rank's frozen copy (the average
+  it last received) relays the layer between its neighbours. On a graph the masked rule can
+  cut a layer off: on a ring where every other rank is constrained, a trainer's neighbours
+  are all constrained, its masked average is itself, and the trainers never mix;
 - **refresh**: after each averaging a constrained rank re-quantizes its frozen layers from
   their (averaged) float weights.
 
@@ -83,6 +89,8 @@ class CoCoFL:
         topology (Topology, optional): average with these neighbour weights; default: the
             global average (allreduce).
         num_steps_per_communication (int): average every this many steps.
+        masked (bool, optional): average each layer only over the ranks that train it;
+            default: True for the global average, False on a topology (see the module).
 
     Raises:
         TypeError: a frozen name is not an ``nn.Linear`` or an argument has the wrong type.
@@ -104,6 +112,7 @@ class CoCoFL:
         constrained: bool = False,
         topology: Topology | None = None,
         num_steps_per_communication: int = 1,
+        masked: bool | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {optimizer!r}")
@@ -115,6 +124,8 @@ class CoCoFL:
             raise TypeError(f"constrained must be a bool; got {constrained!r}")
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a gossamer Topology or None; got {topology!r}")
+        if masked is not None and not isinstance(masked, bool):
+            raise TypeError(f"masked must be a bool or None; got {masked!r}")
         period = num_steps_per_communication
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"num_steps_per_communication must be an int >= 1; got {period!r}")
@@ -135,12 +146,14 @@ class CoCoFL:
         self.topology = topology
         self.constrained = constrained
         self.frozen = tuple(frozen) if constrained else ()
+        self.masked = topology is None if masked is None else masked
         self.num_steps_per_communication = period
         self.steps = 0
         self.rounds = 0
         self.params = [p for _, p in model.named_parameters()]
         frozen_params = {id(p) for n in self.frozen for p in modules[n].parameters()}
-        self.mask = [0.0 if id(p) in frozen_params else 1.0 for p in self.params]
+        unmasked = not self.masked
+        self.mask = [1.0 if unmasked or id(p) not in frozen_params else 0.0 for p in self.params]
         self.quantized: dict[str, nn.Module] = {}
         self._layers = {name: modules[name] for name in self.frozen}
         for layer in self._layers.values():
@@ -230,7 +243,12 @@ class CoCoFL:
         """``{"optimizer": <the torch optimizer's>, "cocofl": {"steps", "rounds", "frozen"}}``."""
         return {
             "optimizer": self.optimizer.state_dict(),
-            "cocofl": {"steps": self.steps, "rounds": self.rounds, "frozen": list(self.frozen)},
+            "cocofl": {
+                "steps": self.steps,
+                "rounds": self.rounds,
+                "frozen": list(self.frozen),
+                "masked": self.masked,
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -261,5 +279,5 @@ class CoCoFL:
     def __repr__(self) -> str:
         return (
             f"CoCoFL({type(self.optimizer).__name__}, constrained={self.constrained}, "
-            f"frozen={list(self.frozen)})"
+            f"frozen={list(self.frozen)}, masked={self.masked})"
         )
