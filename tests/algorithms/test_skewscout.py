@@ -142,6 +142,10 @@ def test_skewscout_matches_a_one_process_simulation(world_size, reduce):
         assert probe_bytes == len(history) * weight.numel() * 8
 
 
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 def _wrong_arguments():
     model = linear_model()
     atc = optim.AdaptThenCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
@@ -151,6 +155,10 @@ def _wrong_arguments():
         lambda: SkewScout(atc, 3),
         lambda: SkewScout(atc, lambda m: 0.0, probe_every=0),
         lambda: SkewScout(atc, lambda m: 0.0, reduce="median"),
+        lambda: SkewScout(optim.GradientAllreduce(_sgd(model), model), lambda m: 0.0),
+        lambda: SkewScout(
+            optim.AdaptThenCombine(_sgd(model), model, exact_diffusion=True), lambda m: 0.0
+        ),
     ):
         try:
             call()
@@ -170,5 +178,7 @@ def test_skewscout_argument_errors():
     assert errors[1] == "TypeError: evaluate must be callable; got 3"
     assert errors[2] == "ValueError: probe_every must be an int >= 1; got 0"
     assert errors[3] == "ValueError: reduce must be one of ('mean', 'max'); got 'median'"
-    assert errors[4] == "TypeError: evaluate must return a number; got 'high'"
-    assert len(errors) == 5
+    for message in errors[4:6]:
+        assert message.startswith("ValueError: SkewScout tunes the averaging period")
+    assert errors[6] == "TypeError: evaluate must return a number; got 'high'"
+    assert len(errors) == 7

@@ -40,6 +40,7 @@ from torch import nn
 
 from gossamer import context, ops
 from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.optim.gradient_allreduce import GradientAllreduce
 
 __all__ = ["PeriodController", "SkewScout"]
 
@@ -167,8 +168,9 @@ class SkewScout:
 
     Args:
         optimizer (DecentralizedOptimizer): the averaging optimizer whose period is tuned
-            (``AdaptThenCombine``, ``AdaptWithCombine``, ...; ``GradientAllreduce`` keeps
-            the models identical, so its loss is 0).
+            (``AdaptThenCombine``, ``AdaptWithCombine``, ...). Not ``GradientAllreduce``
+            (its period means gradient accumulation, and its models never differ) nor
+            exact diffusion (it needs a period of 1).
         evaluate (Callable[[nn.Module], float]): accuracy of a model on this rank's probe
             sample; called with the optimizer's model, in evaluation mode, without gradients.
         controller (PeriodController, optional): the rule; default ``PeriodController()``.
@@ -194,6 +196,11 @@ class SkewScout:
         if not isinstance(optimizer, DecentralizedOptimizer):
             raise TypeError(
                 f"optimizer must be a gossamer DecentralizedOptimizer; got {optimizer!r}"
+            )
+        if isinstance(optimizer, GradientAllreduce) or getattr(optimizer, "exact_diffusion", False):
+            raise ValueError(
+                f"SkewScout tunes the averaging period of a gossip optimizer; {optimizer!r} "
+                "cannot change its period (gradient allreduce, or exact diffusion)"
             )
         if not callable(evaluate):
             raise TypeError(f"evaluate must be callable; got {evaluate!r}")
