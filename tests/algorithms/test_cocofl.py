@@ -165,6 +165,25 @@ def _misuse():
     opt.close()
     model(torch.zeros(3, 5)).sum().backward()  # float forward and gradients are back
     errors.append(model[2].weight.grad is not None)
+
+    # state: steps and rounds come back; a state that froze other layers is refused
+    def sgd():
+        return torch.optim.SGD(model.parameters(), lr=LR)
+
+    opt = CoCoFL(sgd(), model, frozen=["0"], constrained=True)
+    for _ in range(3):
+        opt.step()
+    fresh = CoCoFL(sgd(), model, frozen=["0"])
+    try:
+        fresh.load_state_dict(opt.state_dict())
+    except ValueError as err:
+        errors.append(f"{type(err).__name__}: {err}")
+    fresh.close()
+    again = CoCoFL(
+        torch.optim.SGD(model.parameters(), lr=LR), model, frozen=["0"], constrained=True
+    )
+    again.load_state_dict(opt.state_dict())
+    errors.append((again.steps, again.rounds, again.masked))
     return errors
 
 
@@ -176,3 +195,5 @@ def test_cocofl_argument_errors():
     assert errors[3] == "ValueError: num_steps_per_communication must be an int >= 1; got 0"
     assert errors[4].startswith("ValueError: CoCoFL: frozen layer '2' got an input that requires")
     assert errors[5] is True
+    assert errors[6] == "ValueError: state froze layers ['0']; this optimizer freezes []"
+    assert errors[7] == (3, 3, True)

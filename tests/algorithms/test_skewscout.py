@@ -182,3 +182,48 @@ def test_skewscout_argument_errors():
         assert message.startswith("ValueError: SkewScout tunes the averaging period")
     assert errors[6] == "TypeError: evaluate must return a number; got 'high'"
     assert len(errors) == 7
+
+
+def _resume(split):
+    """``split`` steps, save, a fresh model and optimizer load, the rest; or all at once."""
+    rank = gossamer.rank()
+    A, b = least_squares_data(rank)
+
+    def build(model):
+        atc = optim.AdaptThenCombine(_sgd(model), model, topology=topo.ring(gossamer.size()))
+        control = PeriodController(**CONTROL)
+        return SkewScout(
+            atc,
+            lambda m: _score(rank, m.weight.detach()),
+            controller=control,
+            probe_every=PROBE_EVERY,
+        )
+
+    def train(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            least_squares_loss(model, A, b).backward()
+            opt.step()
+
+    model = linear_model()
+    opt = build(model)
+    train(model, opt, split)
+    if split < STEPS:
+        state, weights = opt.state_dict(), model.state_dict()
+        model = linear_model()
+        with torch.no_grad():
+            model.weight.add_(1.0)  # another start: the load must overwrite it
+        opt = build(model)
+        model.load_state_dict(weights)
+        opt.load_state_dict(state)
+        train(model, opt, STEPS - split)
+    opt.synchronize()
+    return model.weight.detach().clone(), opt.period, opt.probes
+
+
+def test_skewscout_resumes_exactly():
+    whole = run_distributed(_resume, 3, args=(STEPS,))
+    resumed = run_distributed(_resume, 3, args=(STEPS // 2 + 1,))
+    for (w1, p1, n1), (w2, p2, n2) in zip(whole, resumed, strict=True):
+        torch.testing.assert_close(w2, w1, rtol=0, atol=0)
+        assert (p1, n1) == (p2, n2)
