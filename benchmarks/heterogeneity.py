@@ -133,7 +133,7 @@ def _d_cliques(model, base, s):
 
 def _clumping(model, base, s):
     features = s.histograms / s.histograms.sum(axis=1, keepdims=True)
-    clumps = topo.peer_clumping(features, degree=2, seed=s.args.seed)
+    clumps = topo.peer_clumping(features, degree=min(2, s.size - 1), seed=s.args.seed)
     return optim.AdaptThenCombine(base, model, topology=clumps.topology)
 
 
@@ -147,7 +147,7 @@ def _skewscout(model, base, s):
 
 
 def _fedhisyn(model, base, s):
-    if s.args.fedhisyn_speeds == "measured":
+    if s.args.fedhisyn_speeds == "measured" or not s.args.delay_ms:
         return optim.FedHiSyn(base, model, num_groups=2, interval=8, calibration_steps=10)
     # The simulated device's step time: on a loaded machine, contention swamps a few ms.
     step_time = s.args.delay_ms * (2 if s.slow else 1) / 1000
@@ -322,6 +322,8 @@ def run_one(name: str, method: Method, s: Setup, train, test) -> dict:
                 opt.synchronize()
             samples += rounds * opt.steps_per_round * args.batch
             done += rounds * opt.interval
+            curve.append((done, _mean(_accuracy(model, *test))))
+        if not curve:  # --steps shorter than calibration and one round
             curve.append((done, _mean(_accuracy(model, *test))))
     else:
         done = 0
