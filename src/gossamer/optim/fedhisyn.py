@@ -193,20 +193,19 @@ class FedHiSyn(AdaptThenCombine):
     def _group(self, seconds: float) -> None:
         """Allgather the step times, form the groups, set this rank's ring and round length."""
         times = ops.allgather(torch.tensor([seconds], dtype=torch.float64)).tolist()
-        self.step_times = times
-        self.groups = group_by_speed(times, self.num_groups)
-        self._configure()
+        self._configure(group_by_speed(times, self.num_groups), times)
 
-    def _configure(self) -> None:
-        assert self.groups is not None and self.step_times is not None
+    def _configure(self, groups: tuple[tuple[int, ...], ...], times: list[float]) -> None:
+        """Set the groups, this rank's round length, and the communicator's ring and period."""
+        self.groups, self.step_times = groups, times
         me = context.rank()
-        mean = [statistics.fmean(self.step_times[r] for r in g) for g in self.groups]
-        mine = next(i for i, g in enumerate(self.groups) if me in g)
+        mean = [statistics.fmean(times[r] for r in g) for g in groups]
+        mine = next(i for i, g in enumerate(groups) if me in g)
         if self.scale_steps:
             self.steps_per_round = max(1, round(self.interval * max(mean) / mean[mine]))
         else:
             self.steps_per_round = self.interval
-        self.communicator.topology = grouped_ring(self.groups, context.size())
+        self.communicator.topology = grouped_ring(groups, context.size())
         self.communicator.global_average_every = self.steps_per_round
 
     def _comm_state(self) -> dict:
@@ -226,6 +225,7 @@ class FedHiSyn(AdaptThenCombine):
             self.groups = self.step_times = self.steps_per_round = None
             return
         grouped_ring(groups, context.size())  # checks that they fit this world
-        self.groups = tuple(tuple(int(r) for r in g) for g in groups)
-        self.step_times = [float(t) for t in hisyn["step_times"]]
-        self._configure()
+        self._configure(
+            tuple(tuple(int(r) for r in g) for g in groups),
+            [float(t) for t in hisyn["step_times"]],
+        )
