@@ -375,6 +375,7 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of the job: every configuration in turn; rank 0 reports."""
     gossamer.init()
     rank, size = gossamer.rank(), gossamer.size()
+    args.ranks = size  # what the report says (a plain `python` run is a world of one)
     train, test = _split(args.seed)
     graphs = {"ring": topo.ring(size), "exp2": topo.exponential_two(size)}
     rows: list[dict] = []
