@@ -28,9 +28,9 @@ and 2 classes per rank. The methods (:data:`METHODS`):
   or timed over 10 local steps (``measured``);
 - ``cocofl``: the slow ranks freeze the first layer and run it in int8 (they are not made
   faster for it: the simulated delay stays), averaging on the graph every step;
-- ``clique-avg``, ``ngc``, ``compngc``, ``dacfl``, ``ngo``: the other skew optimizers, when
-  built (skipped with a line saying so otherwise; their bytes are not counted where they
-  send more than one model per neighbour per round).
+- ``clique-avg``, ``ngc``, ``compngc``, ``dacfl`` (evaluated at its tracked average), ``ngo``:
+  the other skew optimizers, when built (skipped with a line saying so otherwise; their
+  bytes are not counted where they send more than one model per neighbour per round).
 
 Uneven devices: every rank sleeps ``--delay-ms`` per step, the odd ranks twice that (they
 are 2x slower), in every configuration, so the synchronous methods run at the slow ranks'
@@ -47,6 +47,7 @@ excluded). Writes ``results/heterogeneity/{results.json,table.md,accuracy.png}``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -300,6 +301,17 @@ def _max(value: float) -> float:
     return float(t)
 
 
+def _evaluate(opt, model, test) -> float:
+    """Mean test accuracy over ranks of the model each rank would deploy.
+
+    That is the model itself, or the tracked average model of an optimizer that keeps one
+    (DACFL's ``averaged()``).
+    """
+    averaged = getattr(opt, "averaged", None)
+    with averaged() if callable(averaged) else contextlib.nullcontext():
+        return _mean(_accuracy(model, *test))
+
+
 def run_one(name: str, method: Method, s: Setup, train, test) -> dict:
     """Train one configuration; the same row on every rank."""
     args = s.args
@@ -322,9 +334,9 @@ def run_one(name: str, method: Method, s: Setup, train, test) -> dict:
                 opt.synchronize()
             samples += rounds * opt.steps_per_round * args.batch
             done += rounds * opt.interval
-            curve.append((done, _mean(_accuracy(model, *test))))
+            curve.append((done, _evaluate(opt, model, test)))
         if not curve:  # --steps shorter than calibration and one round
-            curve.append((done, _mean(_accuracy(model, *test))))
+            curve.append((done, _evaluate(opt, model, test)))
     else:
         done = 0
         while done < args.steps:
@@ -334,7 +346,7 @@ def run_one(name: str, method: Method, s: Setup, train, test) -> dict:
                 opt.synchronize()
             samples += count * args.batch
             done += count
-            curve.append((done, _mean(_accuracy(model, *test))))
+            curve.append((done, _evaluate(opt, model, test)))
     sent = _mean(_sent_bytes(opt, model, s.size, s.rank)) if method.counted else float("nan")
     seconds = _max(clock.seconds)
     total_samples = _mean(samples) * s.size
