@@ -29,10 +29,8 @@ gossiped; ``GOSSAMER_NODES_PER_MACHINE=1`` makes every rank a machine::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,6 +39,7 @@ from torch import nn
 from torch.optim.lr_scheduler import StepLR
 
 import gossamer.bagua as bagua
+from gossamer import data as gossamer_data
 
 ALGORITHMS = (
     "gradient_allreduce",
@@ -77,24 +76,9 @@ class Net(nn.Module):
 
 
 def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
-    """The digits as ``(images (1797, 1, 8, 8), labels)``, normalized like Bagua's MNIST.
-
-    Reads the CSV that ``sklearn.datasets.load_digits`` reads, without importing
-    ``sklearn.datasets`` (which pulls in SciPy: seconds per rank on a small machine).
-    """
-    spec = importlib.util.find_spec("sklearn")
-    roots = spec.submodule_search_locations if spec is not None else None
-    path = Path(roots[0]) / "datasets" / "data" / "digits.csv.gz" if roots else None
-    if path is not None and path.is_file():
-        table = np.loadtxt(path, delimiter=",")
-        pixels, labels = table[:, :-1], table[:, -1]
-    else:  # a layout we do not know: let scikit-learn find its own file
-        from sklearn.datasets import load_digits as sklearn_digits
-
-        pixels, labels = sklearn_digits(return_X_y=True)
-    images = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
-    images = (images - images.mean()) / images.std()
-    return images, torch.tensor(labels, dtype=torch.long)
+    """The digits as ``(images (1797, 1, 8, 8), labels)``, normalized like Bagua's MNIST."""
+    images, labels = gossamer_data.load_digits()
+    return (images - images.mean()) / images.std(), labels
 
 
 def datasets(seed: int) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:

@@ -32,11 +32,9 @@ test accuracy and consensus distance per epoch.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -44,6 +42,7 @@ from tqdm import tqdm
 import gossamer
 from gossamer import optim
 from gossamer import topology as topo
+from gossamer.data import load_digits
 from gossamer.models import SmallCNN
 
 OPTIMIZERS = {
@@ -53,28 +52,6 @@ OPTIMIZERS = {
     "push_sum": optim.PushSum,
     "win_put": optim.WindowPut,
 }
-
-
-def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
-    """The digits as ``(images (1797, 1, 8, 8) in [0, 1], labels (1797,))``.
-
-    Reads ``sklearn/datasets/data/digits.csv.gz`` directly, which is what
-    ``sklearn.datasets.load_digits`` reads: importing ``sklearn.datasets`` pulls in SciPy
-    and costs several seconds of CPU per rank, which on a small machine running four
-    ranks is longer than the training.
-    """
-    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
-    roots = spec.submodule_search_locations if spec is not None else None
-    path = Path(roots[0]) / "datasets" / "data" / "digits.csv.gz" if roots else None
-    if path is not None and path.is_file():
-        table = np.loadtxt(path, delimiter=",")
-        pixels, labels = table[:, :-1], table[:, -1]
-    else:  # a layout we do not know: let scikit-learn find its own file
-        from sklearn.datasets import load_digits as sklearn_digits
-
-        pixels, labels = sklearn_digits(return_X_y=True)
-    images = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
-    return images, torch.tensor(labels, dtype=torch.long)
 
 
 def split(images, labels, test_fraction, seed):

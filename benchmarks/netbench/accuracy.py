@@ -26,6 +26,7 @@ from torch import nn
 
 import gossamer
 from benchmarks.netbench.worker import param_bytes, release, wrap
+from gossamer.data import load_digits
 from gossamer.models import MLP
 
 STRATEGIES = ("ddp", "gradient-allreduce", "awc/exp2", "atc/exp2", "atc/one-peer", "win-put")
@@ -33,11 +34,7 @@ STRATEGIES = ("ddp", "gradient-allreduce", "awc/exp2", "atc/exp2", "atc/one-peer
 
 def digits(seed: int = 0) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     """``((train_x, train_y), (test_x, test_y))``: digits as 64 features in [0, 1]."""
-    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
-
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32) / 16.0
-    y = torch.tensor(y, dtype=torch.long)
+    x, y = load_digits(flatten=True)  # bundled with scikit-learn: no download
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     test, train = order[: len(y) // 5], order[len(y) // 5 :]
     return (x[train], y[train]), (x[test], y[test])

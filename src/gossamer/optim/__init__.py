@@ -11,6 +11,9 @@ class                      what a step does
 ``CliqueAveraging``        average gradients in the D-Clique, momentum step, then combine
 ``NGC`` / ``CompNGC``      mix self- and cross-gradients (neighbours' data at this model)
 ``DACFL``                  local training; dynamic average consensus tracks the mean model
+``SkewScout``              wraps one of the above; tunes its period to the accuracy loss
+``FedHiSyn``               ATC on a ring inside each speed group, global average per round
+``CoCoFL``                 constrained ranks freeze layers (int8), masked averaging
 =========================  ==============================================================
 """
 
@@ -18,10 +21,13 @@ from __future__ import annotations
 
 from gossamer.optim.base import COMMUNICATIONS, Communicator, DecentralizedOptimizer
 from gossamer.optim.cliques import CliqueAveraging
+from gossamer.optim.cocofl import CoCoFL, quantize_frozen
 from gossamer.optim.combine import AdaptThenCombine, AdaptWithCombine
 from gossamer.optim.dacfl import DACFL
+from gossamer.optim.fedhisyn import FedHiSyn, group_by_speed, grouped_ring
 from gossamer.optim.gradient_allreduce import GradientAllreduce
 from gossamer.optim.ngc import NGC, CompNGC
+from gossamer.optim.skewscout import PeriodController, SkewScout
 from gossamer.optim.utils import (
     allreduce_parameters,
     broadcast_optimizer_state,
@@ -37,14 +43,21 @@ __all__ = [
     "AdaptThenCombine",
     "AdaptWithCombine",
     "CliqueAveraging",
+    "CoCoFL",
     "Communicator",
     "CompNGC",
     "DecentralizedOptimizer",
+    "FedHiSyn",
     "GradientAllreduce",
+    "PeriodController",
     "PushSum",
+    "SkewScout",
     "WindowPut",
     "allreduce_parameters",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "consensus_distance",
+    "group_by_speed",
+    "grouped_ring",
+    "quantize_frozen",
 ]

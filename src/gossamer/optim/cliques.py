@@ -130,6 +130,12 @@ class CliqueAveraging(AdaptThenCombine):
                     f"topology has {topology.size} ranks but the world has {size}: "
                     f"{topology.name or 'topology'}"
                 )
+        if kwargs.get("overlap", False) is not False:
+            # The clique average needs every gradient before any local step runs.
+            raise ValueError(
+                f"overlap must be False for clique averaging; got {kwargs['overlap']!r}"
+            )
+        kwargs["overlap"] = False
         super().__init__(optimizer, model, topology=topology, **kwargs)
         me = context.rank()
         self.clique = next(c for c in self.cliques if me in c)

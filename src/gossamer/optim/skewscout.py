@@ -1,0 +1,343 @@
+r"""SkewScout: adapt the communication period to the measured accuracy loss between ranks.
+
+Hsieh, Phanishayee, Mutlu and Gibbons, "The Non-IID Data Quagmire of Decentralized Machine
+Learning", ICML 2020. Under skewed (non-IID) data the ranks' models drift towards their own
+partitions; SkewScout measures that drift as an **accuracy loss**, the accuracy a model loses
+when it is evaluated on another rank's data instead of its own, and tunes how often the ranks
+communicate so that the loss stays below a target:
+
+.. math::
+
+    \ell_i = \mathrm{acc}(x_i; D_i) - \mathrm{acc}(x_{p(i)}; D_i),
+    \qquad \ell = \frac1n \sum_i \ell_i \;(\text{or } \max_i \ell_i)
+
+where :math:`x_{p(i)}` is the model of rank :math:`i`'s probe peer and :math:`D_i` a small
+sample of rank :math:`i`'s own data. On IID data the models agree, :math:`\ell \approx 0`, and
+the ranks can communicate rarely; under skew :math:`\ell` grows and they must communicate
+more often. The period :math:`\tau` (local steps between averaging rounds) follows
+
+.. math::
+
+    \tau \leftarrow \begin{cases}
+        \max(\tau_{\min}, \lfloor \tau / f \rfloor) & \ell > \theta \\
+        \min(\tau_{\max}, \tau \cdot f) & \ell < \rho\,\theta \\
+        \tau & \text{otherwise}
+    \end{cases}
+
+with threshold :math:`\theta`, factor :math:`f` and hysteresis :math:`\rho \in [0, 1]`.
+The paper tunes the communication knob of each algorithm (Gaia's significance threshold,
+FedAvg's local steps, DGC's sparsity); here the knob is the period of any
+:class:`~gossamer.optim.DecentralizedOptimizer` (its ``num_steps_per_communication``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from gossamer import context, ops
+from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.optim.gradient_allreduce import GradientAllreduce
+
+__all__ = ["PeriodController", "SkewScout"]
+
+_REDUCTIONS = ("mean", "max")
+
+
+def _check_int(value: object, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+    return value
+
+
+def _check_fraction(value: object, name: str, *, upper: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number; got {value!r}")
+    if not 0 <= value <= upper or math.isnan(value):
+        raise ValueError(f"{name} must be in [0, {upper}]; got {value!r}")
+    return float(value)
+
+
+class PeriodController:
+    r"""The decision rule of SkewScout: a period that shrinks under loss and grows without.
+
+    Pure: it never communicates, so every rank that feeds it the same losses (SkewScout
+    feeds it the allreduced loss) holds the same period.
+
+    Args:
+        threshold (float): :math:`\theta`, the accuracy loss (a fraction in ``[0, 1]``) above
+            which the period shrinks.
+        min_period (int): :math:`\tau_{\min} \ge 1`.
+        max_period (int): :math:`\tau_{\max} \ge` ``min_period``.
+        initial_period (int, optional): the first period; default ``min_period``.
+        factor (int): :math:`f \ge 2`, the multiplicative step of the period.
+        hysteresis (float): :math:`\rho \in [0, 1]`: the period grows only when the loss is
+            below :math:`\rho\theta` (1: grow whenever it is not above the threshold).
+
+    Example:
+        >>> c = PeriodController(threshold=0.05, min_period=1, max_period=8)
+        >>> [c.update(loss) for loss in (0.0, 0.0, 0.0, 0.0, 0.2, 0.03)]
+        [2, 4, 8, 8, 4, 4]
+    """
+
+    def __init__(
+        self,
+        *,
+        threshold: float = 0.05,
+        min_period: int = 1,
+        max_period: int = 32,
+        initial_period: int | None = None,
+        factor: int = 2,
+        hysteresis: float = 0.5,
+    ) -> None:
+        self.threshold = _check_fraction(threshold, "threshold", upper=1.0)
+        self.min_period = _check_int(min_period, "min_period", 1)
+        self.max_period = _check_int(max_period, "max_period", 1)
+        if self.max_period < self.min_period:
+            raise ValueError(f"max_period must be >= min_period ({min_period}); got {max_period!r}")
+        start = self.min_period if initial_period is None else initial_period
+        start = _check_int(start, "initial_period", 1)
+        if not self.min_period <= start <= self.max_period:
+            raise ValueError(
+                f"initial_period must be in [{min_period}, {max_period}]; got {initial_period!r}"
+            )
+        self.factor = _check_int(factor, "factor", 2)
+        self.hysteresis = _check_fraction(hysteresis, "hysteresis", upper=1.0)
+        self.period = start
+        self.history: list[tuple[float, int]] = []  # (loss, period after it)
+
+    def update(self, loss: float) -> int:
+        """Feed one measured accuracy loss; return the new period."""
+        if isinstance(loss, bool) or not isinstance(loss, int | float) or math.isnan(loss):
+            raise TypeError(f"loss must be a number; got {loss!r}")
+        if loss > self.threshold:
+            self.period = max(self.min_period, self.period // self.factor)
+        elif loss < self.hysteresis * self.threshold or (
+            self.hysteresis == 1.0 and loss <= self.threshold
+        ):
+            self.period = min(self.max_period, self.period * self.factor)
+        self.history.append((float(loss), self.period))
+        return self.period
+
+    def state_dict(self) -> dict:
+        """``{"period", "history"}``: what the next decisions depend on, and the record."""
+        return {"period": self.period, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: the saved period lies outside ``[min_period, max_period]``.
+        """
+        period = int(state["period"])
+        if not self.min_period <= period <= self.max_period:
+            raise ValueError(
+                f"state['period'] = {period} is outside [{self.min_period}, {self.max_period}]"
+            )
+        self.period = period
+        self.history = [(float(a), int(b)) for a, b in state.get("history", [])]
+
+    def __repr__(self) -> str:
+        return (
+            f"PeriodController(period={self.period}, threshold={self.threshold}, "
+            f"range=[{self.min_period}, {self.max_period}])"
+        )
+
+
+class SkewScout:
+    r"""Wrap a decentralized optimizer and set its period from probes of the accuracy loss.
+
+    Every ``probe_every`` steps each rank sends its model (one flat vector of the trainable
+    parameters) to its probe peer and receives the model of another rank: at the ``k``-th
+    probe rank :math:`i` receives from :math:`(i - s) \bmod n` and sends to
+    :math:`(i + s) \bmod n` with :math:`s = 1 + (k \bmod (n-1))`, so over :math:`n-1` probes
+    every rank sees every other one. ``evaluate(model)`` (given by the user: the accuracy of
+    ``model`` on a small sample of this rank's data, a fraction in ``[0, 1]``) is called on
+    the rank's own model and on the received one (loaded into the same module for the call
+    and restored after), the losses :math:`\ell_i` are allreduced (mean or max), and the
+    :class:`PeriodController` turns that into the wrapped optimizer's
+    ``num_steps_per_communication``. Every rank holds the same period, so rounds still pair.
+
+    A new period takes effect at the next multiple of it (the wrapped optimizer communicates
+    when its step count is a multiple of the period). A probe costs one model's bytes per
+    rank plus an allreduce of one float; buffers (BatchNorm statistics) are not exchanged,
+    so ``evaluate`` sees the peer's parameters with this rank's buffers.
+
+    Args:
+        optimizer (DecentralizedOptimizer): the averaging optimizer whose period is tuned
+            (``AdaptThenCombine``, ``AdaptWithCombine``, ...). Not ``GradientAllreduce``
+            (its period means gradient accumulation, and its models never differ) nor
+            exact diffusion (it needs a period of 1).
+        evaluate (Callable[[nn.Module], float]): accuracy of a model on this rank's probe
+            sample; called with the optimizer's model, in evaluation mode, without gradients.
+        controller (PeriodController, optional): the rule; default ``PeriodController()``.
+        probe_every (int): steps between probes.
+        reduce (str): ``"mean"`` or ``"max"`` of the ranks' losses.
+
+    Example:
+        >>> atc = AdaptThenCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        >>> opt = SkewScout(atc, lambda m: accuracy(m, x_probe, y_probe))
+        >>> loss_fn(model(x), y).backward()
+        >>> opt.step()     # a local step; averaging only every opt.period steps
+    """
+
+    def __init__(
+        self,
+        optimizer: DecentralizedOptimizer,
+        evaluate: Callable[[nn.Module], float],
+        *,
+        controller: PeriodController | None = None,
+        probe_every: int = 20,
+        reduce: str = "mean",
+    ) -> None:
+        if not isinstance(optimizer, DecentralizedOptimizer):
+            raise TypeError(
+                f"optimizer must be a gossamer DecentralizedOptimizer; got {optimizer!r}"
+            )
+        if isinstance(optimizer, GradientAllreduce) or getattr(optimizer, "exact_diffusion", False):
+            raise ValueError(
+                f"SkewScout tunes the averaging period of a gossip optimizer; {optimizer!r} "
+                "cannot change its period (gradient allreduce, or exact diffusion)"
+            )
+        if not callable(evaluate):
+            raise TypeError(f"evaluate must be callable; got {evaluate!r}")
+        if controller is None:
+            controller = PeriodController()
+        elif not isinstance(controller, PeriodController):
+            raise TypeError(f"controller must be a PeriodController; got {controller!r}")
+        if len(optimizer.models) != 1:
+            raise ValueError(
+                f"SkewScout probes one model; the optimizer holds {len(optimizer.models)}"
+            )
+        self.probe_every = _check_int(probe_every, "probe_every", 1)
+        if reduce not in _REDUCTIONS:
+            raise ValueError(f"reduce must be one of {_REDUCTIONS}; got {reduce!r}")
+        self.reduce = reduce
+        self.inner = optimizer
+        self.model = optimizer.models[0]
+        self.evaluate = evaluate
+        self.controller = controller
+        self.probes = 0
+        self.probe_bytes = 0  # model bytes this rank sent for probes
+        self.last_loss: float | None = None
+        optimizer.num_steps_per_communication = controller.period
+
+    # ------------------------------------------------------------ torch.optim look-alike
+    @property
+    def period(self) -> int:
+        """Steps between averaging rounds now."""
+        return self.controller.period
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped torch optimizer's parameter groups."""
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        """Finish the wrapped optimizer's communication in flight."""
+        self.inner.synchronize()
+
+    def step(self, closure=None):
+        """The wrapped optimizer's step; every ``probe_every`` steps, a probe (collective)."""
+        loss = self.inner.step(closure)
+        if self.inner.steps % self.probe_every == 0:
+            self.probe()
+        return loss
+
+    # ------------------------------------------------------------ the probe
+    def _peers(self) -> tuple[int, int]:
+        n, me = context.size(), context.rank()
+        shift = 1 + self.probes % (n - 1)
+        return (me - shift) % n, (me + shift) % n
+
+    def probe(self) -> float:
+        """Measure the accuracy loss against a peer, update the period; return the loss.
+
+        Collective: every rank must call it at the same step (:meth:`step` does).
+        """
+        self.inner.synchronize()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        own = nn.utils.parameters_to_vector(params).detach().clone()
+        if context.size() == 1:
+            peer = own
+        else:
+            src, dst = self._peers()
+            peer = ops.neighbor_allreduce(
+                own, self_weight=0.0, src_weights={src: 1.0}, dst_weights=[dst]
+            )
+            self.probe_bytes += own.numel() * own.element_size()
+        mine = self._accuracy()
+        with torch.no_grad():
+            nn.utils.vector_to_parameters(peer, params)
+        try:
+            theirs = self._accuracy()
+        finally:
+            with torch.no_grad():
+                nn.utils.vector_to_parameters(own, params)
+        local = torch.tensor([mine - theirs], dtype=torch.float64)
+        if context.size() > 1:
+            if self.reduce == "mean":
+                local = ops.allreduce(local)
+            else:  # max over ranks = the max of each rank's values, gathered
+                local = ops.allgather(local).max().reshape(1)
+        self.probes += 1
+        self.last_loss = float(local)
+        self.inner.num_steps_per_communication = self.controller.update(self.last_loss)
+        return self.last_loss
+
+    def _accuracy(self) -> float:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                value = self.evaluate(self.model)
+        finally:
+            self.model.train(was_training)
+        if isinstance(value, torch.Tensor):
+            value = float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise TypeError(f"evaluate must return a number; got {value!r}")
+        return float(value)
+
+    # ------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """``{"optimizer": <the wrapped one's>, "skewscout": {"probes", "controller", ...}}``."""
+        return {
+            "optimizer": self.inner.state_dict(),
+            "skewscout": {
+                "probes": self.probes,
+                "probe_bytes": self.probe_bytes,
+                "last_loss": self.last_loss,
+                "controller": self.controller.state_dict(),
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (the period included).
+
+        Raises:
+            ValueError: ``state`` is not a dict from :meth:`state_dict`.
+        """
+        if not isinstance(state, dict) or {"optimizer", "skewscout"} - set(state):
+            raise ValueError("state must be a dict from SkewScout.state_dict()")
+        ours = state["skewscout"]
+        self.inner.load_state_dict(state["optimizer"])
+        self.controller.load_state_dict(ours["controller"])
+        self.probes = int(ours["probes"])
+        self.probe_bytes = int(ours.get("probe_bytes", 0))
+        self.last_loss = ours.get("last_loss")
+        self.inner.num_steps_per_communication = self.controller.period
+
+    def close(self) -> None:
+        """Close the wrapped optimizer."""
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"SkewScout({self.inner!r}, {self.controller!r})"

@@ -1,0 +1,229 @@
+"""SkewScout: the period rule against scripted losses; the wrapper against a 1-process run.
+
+The distributed case runs adapt-then-combine SGD on the least-squares problem over a ring,
+wrapped in SkewScout, and compares models, measured losses and periods with a simulation in
+one process that writes out every piece: the local SGD step, the ring average when the step
+count is a multiple of the period, the probe peer at shift ``1 + k mod (n-1)``, and the
+controller's rule.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import gossamer
+from gossamer import optim
+from gossamer import topology as topo
+from gossamer.optim import PeriodController, SkewScout
+from gossamer.testing import run_distributed
+from problems import least_squares_data, least_squares_loss, linear_model
+
+# --- one process: the controller --------------------------------------------------------
+
+
+def test_period_follows_a_scripted_accuracy_sequence():
+    c = PeriodController(threshold=0.1, min_period=2, max_period=16, factor=2, hysteresis=0.5)
+    losses = [0.0, 0.01, 0.04, 0.0, 0.3, 0.07, 0.2, 0.2, 0.2, 0.049, 0.0]
+    # grow below 0.05, shrink above 0.1, keep in between; clamp to [2, 16]
+    want = [4, 8, 16, 16, 8, 8, 4, 2, 2, 4, 8]
+    assert [c.update(x) for x in losses] == want
+    assert c.history == list(zip(losses, want, strict=True))
+
+
+def test_factor_and_full_hysteresis():
+    c = PeriodController(threshold=0.05, min_period=1, max_period=27, factor=3, hysteresis=1.0)
+    assert [c.update(x) for x in (0.05, 0.0, 0.051, 0.0, 0.0, 0.0)] == [3, 9, 3, 9, 27, 27]
+    c = PeriodController(threshold=0.05, max_period=8, initial_period=8, hysteresis=0.0)
+    # hysteresis 0: never grows (no loss is below 0)
+    assert [c.update(x) for x in (0.0, 0.06, 0.0, 0.06)] == [8, 4, 4, 2]
+
+
+def test_controller_state_round_trip():
+    c = PeriodController(threshold=0.1, max_period=8)
+    for x in (0.0, 0.0, 0.5):
+        c.update(x)
+    fresh = PeriodController(threshold=0.1, max_period=8)
+    fresh.load_state_dict(c.state_dict())
+    assert (fresh.period, fresh.history) == (c.period, c.history)
+    assert fresh.update(0.0) == c.update(0.0)
+    with pytest.raises(ValueError, match=r"state\['period'\] = 9 is outside \[1, 8\]"):
+        fresh.load_state_dict({"period": 9})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"threshold": 1.5}, ValueError, r"threshold must be in \[0, 1.0\]; got 1.5"),
+        ({"threshold": "0.1"}, TypeError, "threshold must be a number; got '0.1'"),
+        ({"min_period": 0}, ValueError, "min_period must be an int >= 1; got 0"),
+        ({"min_period": 4, "max_period": 2}, ValueError, r"max_period must be >= min_period"),
+        ({"initial_period": 64}, ValueError, r"initial_period must be in \[1, 32\]; got 64"),
+        ({"factor": 1}, ValueError, "factor must be an int >= 2; got 1"),
+        ({"hysteresis": -0.1}, ValueError, r"hysteresis must be in \[0, 1.0\]; got -0.1"),
+    ],
+)
+def test_controller_argument_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        PeriodController(**kwargs)
+
+
+def test_update_rejects_a_non_number():
+    with pytest.raises(TypeError, match="loss must be a number; got nan"):
+        PeriodController().update(float("nan"))
+
+
+# --- distributed --------------------------------------------------------------------------
+
+STEPS, LR, PROBE_EVERY = 24, 0.05, 3
+CONTROL = {"threshold": 0.02, "min_period": 1, "max_period": 8, "hysteresis": 0.5}
+
+
+def _score(rank, weight):
+    """A rank-dependent 'accuracy' of a weight vector: deterministic, in float64."""
+    g = np.random.default_rng(100 + rank)
+    direction = torch.tensor(g.normal(size=weight.numel()))
+    return float(torch.tanh(direction @ weight.flatten().double()))
+
+
+def _train(reduce):
+    rank = gossamer.rank()
+    A, b = least_squares_data(rank)
+    model = linear_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    atc = optim.AdaptThenCombine(sgd, model, topology=topo.ring(gossamer.size()))
+    opt = SkewScout(
+        atc,
+        lambda m: _score(rank, m.weight.detach()),
+        controller=PeriodController(**CONTROL),
+        probe_every=PROBE_EVERY,
+        reduce=reduce,
+    )
+    for _ in range(STEPS):
+        opt.zero_grad()
+        least_squares_loss(model, A, b).backward()
+        opt.step()
+    opt.synchronize()
+    state = opt.state_dict()["skewscout"]
+    return model.weight.detach().clone(), state["controller"]["history"], opt.probe_bytes
+
+
+def _reference(n, reduce):
+    W = topo.ring(n).weights
+    data = [least_squares_data(r) for r in range(n)]
+    xs = [linear_model().weight.detach().clone() for _ in range(n)]
+    control = PeriodController(**CONTROL)
+    period, probes = control.period, 0
+    for k in range(1, STEPS + 1):
+        for i, (A, b) in enumerate(data):
+            w = xs[i].clone().requires_grad_(True)
+            loss = ((A @ w.T).squeeze(1) - b).pow(2).mean() / 2
+            (g,) = torch.autograd.grad(loss, w)
+            xs[i] = xs[i] - LR * g
+        if k % period == 0:
+            xs = [sum(W[j, i] * xs[j] for j in range(n)) for i in range(n)]
+        if k % PROBE_EVERY == 0:
+            shift = 1 + probes % (n - 1)
+            losses = [_score(i, xs[i]) - _score(i, xs[(i - shift) % n]) for i in range(n)]
+            probes += 1
+            period = control.update(float(np.mean(losses) if reduce == "mean" else max(losses)))
+    return xs, control.history
+
+
+@pytest.mark.parametrize(("world_size", "reduce"), [(4, "mean"), (3, "max")])
+def test_skewscout_matches_a_one_process_simulation(world_size, reduce):
+    results = run_distributed(_train, world_size, args=(reduce,))
+    xs, history = _reference(world_size, reduce)
+    periods = [p for _, p in history]
+    assert len(set(periods)) > 1, f"the scripted run never changed the period: {history}"
+    for rank, (weight, got_history, probe_bytes) in enumerate(results):
+        torch.testing.assert_close(weight, xs[rank], rtol=1e-10, atol=1e-12)
+        assert [p for _, p in got_history] == periods, f"rank {rank}"
+        np.testing.assert_allclose([x for x, _ in got_history], [x for x, _ in history], atol=1e-9)
+        assert probe_bytes == len(history) * weight.numel() * 8
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _wrong_arguments():
+    model = linear_model()
+    atc = optim.AdaptThenCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    errors = []
+    for call in (
+        lambda: SkewScout(torch.optim.SGD(model.parameters(), lr=0.1), lambda m: 0.0),
+        lambda: SkewScout(atc, 3),
+        lambda: SkewScout(atc, lambda m: 0.0, probe_every=0),
+        lambda: SkewScout(atc, lambda m: 0.0, reduce="median"),
+        lambda: SkewScout(optim.GradientAllreduce(_sgd(model), model), lambda m: 0.0),
+        lambda: SkewScout(
+            optim.AdaptThenCombine(_sgd(model), model, exact_diffusion=True), lambda m: 0.0
+        ),
+    ):
+        try:
+            call()
+        except (TypeError, ValueError) as err:
+            errors.append(f"{type(err).__name__}: {err}")
+    bad = SkewScout(atc, lambda m: "high")
+    try:
+        bad.probe()
+    except TypeError as err:
+        errors.append(f"{type(err).__name__}: {err}")
+    return errors
+
+
+def test_skewscout_argument_errors():
+    (errors,) = run_distributed(_wrong_arguments, 1)
+    assert errors[0].startswith("TypeError: optimizer must be a gossamer DecentralizedOptimizer")
+    assert errors[1] == "TypeError: evaluate must be callable; got 3"
+    assert errors[2] == "ValueError: probe_every must be an int >= 1; got 0"
+    assert errors[3] == "ValueError: reduce must be one of ('mean', 'max'); got 'median'"
+    for message in errors[4:6]:
+        assert message.startswith("ValueError: SkewScout tunes the averaging period")
+    assert errors[6] == "TypeError: evaluate must return a number; got 'high'"
+    assert len(errors) == 7
+
+
+def _resume(split):
+    """``split`` steps, save, a fresh model and optimizer load, the rest; or all at once."""
+    rank = gossamer.rank()
+    A, b = least_squares_data(rank)
+
+    def build(model):
+        atc = optim.AdaptThenCombine(_sgd(model), model, topology=topo.ring(gossamer.size()))
+        control = PeriodController(**CONTROL)
+        return SkewScout(
+            atc,
+            lambda m: _score(rank, m.weight.detach()),
+            controller=control,
+            probe_every=PROBE_EVERY,
+        )
+
+    def train(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            least_squares_loss(model, A, b).backward()
+            opt.step()
+
+    model = linear_model()
+    opt = build(model)
+    train(model, opt, split)
+    if split < STEPS:
+        state, weights = opt.state_dict(), model.state_dict()
+        model = linear_model()
+        with torch.no_grad():
+            model.weight.add_(1.0)  # another start: the load must overwrite it
+        opt = build(model)
+        model.load_state_dict(weights)
+        opt.load_state_dict(state)
+        train(model, opt, STEPS - split)
+    opt.synchronize()
+    return model.weight.detach().clone(), opt.period, opt.probes
+
+
+def test_skewscout_resumes_exactly():
+    whole = run_distributed(_resume, 3, args=(STEPS,))
+    resumed = run_distributed(_resume, 3, args=(STEPS // 2 + 1,))
+    for (w1, p1, n1), (w2, p2, n2) in zip(whole, resumed, strict=True):
+        torch.testing.assert_close(w2, w1, rtol=0, atol=0)
+        assert (p1, n1) == (p2, n2)
