@@ -9,6 +9,7 @@ build on this package; nothing here talks to other ranks.
 
 from __future__ import annotations
 
+from gossamer.compression._random import for_rank, rank_seed
 from gossamer.compression.base import Compressor, Payload
 from gossamer.compression.casts import BF16, FP16, NoCompression
 from gossamer.compression.error_feedback import ErrorFeedback, default_error_feedback
@@ -35,5 +36,7 @@ __all__ = [
     "TopK",
     "available_compressors",
     "default_error_feedback",
+    "for_rank",
     "get_compressor",
+    "rank_seed",
 ]

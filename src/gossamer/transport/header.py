@@ -66,6 +66,8 @@ OPS = (
     "compressed_gossip",
     # A rank that rejected its arguments sends this instead of its call (transport.rejection).
     "rejected",
+    # Random-k's values summed over ranks; the header's aux is the (seed, step) of its positions.
+    "compressed_allreduce",
 )
 
 
