@@ -19,6 +19,7 @@ import torch.distributed as dist
 from gossamer import transport
 from gossamer.errors import PeerError
 from gossamer.ops.collectives import reduce_into
+from gossamer.profiling import count_collective, count_sent
 from gossamer.transport import DTYPES, check_rank, check_tensor, group_rank, group_size
 
 __all__ = [
@@ -109,6 +110,7 @@ def _check_same(name: str, tensor: torch.Tensor, group, aux: int = 0, count: int
     mine = torch.tensor(code, dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     transport.wait_works(name, [(-1, dist.all_gather(rows, mine, group=group, async_op=True))])
+    count_collective(name, "all_gather", mine.nbytes, len(rows))
     calls = [r.tolist() for r in rows]
     wrong = [r for r, c in enumerate(calls) if c != calls[0]]
     if wrong:
@@ -127,6 +129,7 @@ def _reduce_into(out: torch.Tensor, op: ReduceOp, group, name: str) -> None:
         return
     work = dist.all_reduce(out, op=_TORCH_OPS[op], group=group, async_op=True)
     transport.wait_works(name, [(-1, work)])
+    count_collective(name, "all_reduce", out.nbytes, dist.get_world_size(group))
 
 
 def allreduce(tensor: torch.Tensor, op: ReduceOp, group=None) -> torch.Tensor:
@@ -159,6 +162,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp, group=None) -> torch.Te
         torch_op = dist.ReduceOp.SUM if op == ReduceOp.AVG else _TORCH_OPS[op]
         work = dist.reduce(wide, _global(group, dst), op=torch_op, group=group, async_op=True)
         transport.wait_works("reduce", [(_global(group, dst), work)])
+        count_collective("reduce", "reduce", wide.nbytes, dist.get_world_size(group))
         if op == ReduceOp.AVG:
             wide.div_(dist.get_world_size(group))
         return wide.to(out.dtype)
@@ -214,6 +218,7 @@ def alltoall_v(
         rows = [torch.empty_like(mine) for _ in range(size)]
         work = dist.all_gather(rows, mine, group=group, async_op=True)
         transport.wait_works("alltoall_v", [(-1, work)])
+        count_collective("alltoall_v", "all_gather", mine.nbytes, size)
         sends = torch.stack([r[:size] for r in rows])
         recvs = torch.stack([r[size:] for r in rows])
         bad = (sends != recvs.T).nonzero().tolist()
@@ -228,6 +233,9 @@ def alltoall_v(
             out, torch.cat(parts), list(recv_counts), list(send_counts), group=group, async_op=True
         )
         transport.wait_works("alltoall_v", [(-1, work)])
+        me = group_rank(group)
+        others = sum(c for j, c in enumerate(send_counts) if j != me)
+        count_sent("alltoall_v", others * flat.element_size())
         return out
 
     return transport.run("alltoall_v", body, False)
@@ -248,6 +256,7 @@ def reduce_scatter(tensor: torch.Tensor, op: ReduceOp, group=None) -> torch.Tens
         torch_op = dist.ReduceOp.SUM if op == ReduceOp.AVG else _TORCH_OPS[op]
         work = dist.reduce_scatter_tensor(out, wide, op=torch_op, group=group, async_op=True)
         transport.wait_works("reduce_scatter", [(-1, work)])
+        count_collective("reduce_scatter", "reduce_scatter", wide.nbytes, group_size(group))
         if op == ReduceOp.AVG:
             out.div_(dist.get_world_size(group))
         return out.to(flat.dtype)
@@ -269,6 +278,7 @@ def gather(tensor: torch.Tensor, dst: int, group=None) -> torch.Tensor | None:
         where = _global(group, dst)
         work = dist.gather(flat, parts, dst=where, group=group, async_op=True)
         transport.wait_works("gather", [(where, work)])
+        count_collective("gather", "gather", flat.nbytes, size, me, dst)
         return torch.cat(parts) if parts is not None else None
 
     return transport.run("gather", body, False)
@@ -296,6 +306,7 @@ def scatter(tensor: torch.Tensor, count: int, src: int, group=None) -> torch.Ten
         where = _global(group, src)
         work = dist.scatter(out, parts, src=where, group=group, async_op=True)
         transport.wait_works("scatter", [(where, work)])
+        count_collective("scatter", "scatter", size * out.nbytes, size, me, src)
         return out
 
     return transport.run("scatter", body, False)
@@ -312,6 +323,7 @@ def send(tensor: torch.Tensor, dst: int, group=None) -> None:
         where = _global(group, dst)
         work = dist.isend(tensor.contiguous(), where, group=group)
         transport.wait_works("send", [(where, work)])
+        count_sent("send", tensor.nbytes)
 
     transport.run("send", body, False)
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from gossamer import context
 from gossamer.errors import CommunicationTimeout, PeerError, WindowError
+from gossamer.profiling import count_sent
 from gossamer.transport import HEADER_LEN, Header
 
 __all__ = ["WINDOW_DTYPES", "Kind", "Service", "WindowState"]
@@ -153,6 +154,7 @@ class Service:
                 f"window {kind.name.lower()}: cannot reach rank {target} ({err}); "
                 "did that rank crash or exit?"
             ) from err
+        count_sent(kind.value, sum(t.nbytes for _, t in sends))
         return future, sends
 
     def wait(
@@ -227,9 +229,12 @@ class Service:
         # Called from the progress thread and from release() on any thread. A dropped Work
         # would cancel its send, so each one stays queued until the reaper has waited for it.
         self._sends.put((self.group.send([head], dst, _HEADER_TAG), head))
+        sent = head.nbytes
         if len(tensors_and_tags) > 1:
             payload, tag = tensors_and_tags[1], tensors_and_tags[2]
             self._sends.put((self.group.send([payload], dst, tag), payload))
+            sent += payload.nbytes
+        count_sent(Header.decode(head).op, sent)
 
     def _reap(self) -> None:
         """Wait for the progress thread's sends in order and drop them (until ``None``).
