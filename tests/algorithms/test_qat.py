@@ -58,8 +58,8 @@ def test_qat_training_reduces_the_loss():
             first = first if first is not None else loss.item()
         losses[qat] = (first, loss.item())
     assert losses[True][1] < 0.2 * losses[True][0]
-    # 8-bit logits bound how far the loss falls: 0.17 against full precision's 0.001 here.
-    assert losses[False][1] < losses[True][1] < 0.25
+    # 8-bit weights and activations end a little above full precision (0.0035 and 0.0012).
+    assert losses[False][1] < losses[True][1] < 0.01
 
 
 def test_quantize_model_checks_its_argument():
@@ -69,6 +69,8 @@ def test_quantize_model_checks_its_argument():
         quantize_model(SmallCNN())
     with pytest.raises(ValueError, match="no layer"):
         quantize_model(nn.Sequential(nn.ReLU()))
+    with pytest.raises(ValueError, match="averaging"):
+        quantize_model(MLP(4, 4, 2), averaging=0.0)
 
 
 def _qat_choco(steps):

@@ -37,17 +37,32 @@ def _ao():
     return ao
 
 
-def qat_qconfig(*, per_channel: bool = True):
+def qat_qconfig(*, per_channel: bool = True, averaging: float = 0.1):
     """The 8-bit QAT configuration: int8 symmetric weights, uint8 affine activations.
 
     Weights: ``qint8`` in ``[-128, 127]``, symmetric, per output channel (per tensor if
     ``per_channel`` is False); activations: ``quint8`` in ``[0, 255]`` (the full range:
     torch's default ``reduce_range`` keeps 7 bits for old x86 kernels), affine, per tensor.
-    Ranges are moving averages of the observed min and max.
+    Ranges are moving averages of the observed min and max with weight ``averaging`` for
+    each new batch. torch's default, 0.01, suits fine-tuning a trained model; trained from
+    scratch the ranges then lag the growing activations by hundreds of steps and clip them:
+    SmallCNN on the digits, 200 Adam steps, reached 68.8 % test accuracy with 0.01 and
+    96.4 % with 0.1 or 1.0 (full precision: 96.7 %).
+
+    Args:
+        per_channel (bool): one weight scale per output channel (False: per tensor).
+        averaging (float): the moving averages' weight of a new batch, in (0, 1].
 
     Returns:
         torch.ao.quantization.QConfig
+
+    Raises:
+        ValueError: ``averaging`` outside (0, 1].
     """
+    if isinstance(averaging, bool) or not isinstance(averaging, int | float):
+        raise ValueError(f"averaging must be a number in (0, 1]; got {averaging!r}")
+    if not 0 < averaging <= 1:
+        raise ValueError(f"averaging must be a number in (0, 1]; got {averaging!r}")
     ao = _ao()
     fake = ao.FusedMovingAvgObsFakeQuantize
     weight_observer = (
@@ -57,6 +72,7 @@ def qat_qconfig(*, per_channel: bool = True):
     return ao.QConfig(
         activation=fake.with_args(
             observer=ao.MovingAverageMinMaxObserver,
+            averaging_constant=averaging,
             quant_min=0,
             quant_max=255,
             dtype=torch.quint8,
@@ -64,6 +80,7 @@ def qat_qconfig(*, per_channel: bool = True):
         ),
         weight=fake.with_args(
             observer=weight_observer,
+            averaging_constant=averaging,
             quant_min=-128,
             quant_max=127,
             dtype=torch.qint8,
@@ -72,7 +89,9 @@ def qat_qconfig(*, per_channel: bool = True):
     )
 
 
-def quantize_model(model: nn.Module, *, per_channel: bool = True) -> nn.Module:
+def quantize_model(
+    model: nn.Module, *, per_channel: bool = True, averaging: float = 0.1
+) -> nn.Module:
     """Prepare ``model`` in place for 8-bit quantization-aware training; return it.
 
     Sets ``model.qconfig`` to :func:`qat_qconfig` and calls
@@ -84,6 +103,7 @@ def quantize_model(model: nn.Module, *, per_channel: bool = True) -> nn.Module:
     Args:
         model (nn.Module): the model; put in training mode.
         per_channel (bool): per-output-channel weight scales (False: one per tensor).
+        averaging (float): see :func:`qat_qconfig`.
 
     Returns:
         nn.Module: ``model``, with fake-quant modules inserted.
@@ -91,7 +111,7 @@ def quantize_model(model: nn.Module, *, per_channel: bool = True) -> nn.Module:
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: ``model`` has uninitialised lazy parameters, or no layer that QAT
-            can quantize (nothing would be 8-bit).
+            can quantize (nothing would be 8-bit), or ``averaging`` is outside (0, 1].
 
     Example:
         >>> model = quantize_model(SmallCNN())  # doctest: +SKIP
@@ -109,7 +129,7 @@ def quantize_model(model: nn.Module, *, per_channel: bool = True) -> nn.Module:
         )
     ao = _ao()
     model.train()
-    model.qconfig = qat_qconfig(per_channel=per_channel)
+    model.qconfig = qat_qconfig(per_channel=per_channel, averaging=averaging)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # see _ao
         ao.prepare_qat(model, inplace=True)
