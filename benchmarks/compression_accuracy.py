@@ -1,6 +1,6 @@
 """Digits accuracy per compressor: compressed gradient allreduce, 8-bit CHOCO gossip, 8-bit QAT.
 
-Run under the launcher (4 ranks; about 2 minutes on an idle 2-core machine)::
+Run under the launcher (4 ranks; about 6 minutes on a 2-core machine shared with other jobs)::
 
     gossamer run -np 4 benchmarks/compression_accuracy.py
     gossamer run -np 4 benchmarks/compression_accuracy.py --compressors topk:0.1 --no-gossip
