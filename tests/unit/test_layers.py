@@ -32,7 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "context": {"env", "errors", "profiling"},
     "transport": {"context", "errors", "profiling", "topology"},
     "ops": {"transport", "context", "errors", "profiling", "topology", "combine"},
-    "windows": {"ops", "transport", "context", "errors", "topology", "combine"},
+    "windows": {"ops", "transport", "context", "errors", "topology", "combine"}
+    | {"compression", "profiling"},
     "communicators": {
         "windows",
         "ops",

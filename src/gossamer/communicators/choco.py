@@ -34,7 +34,7 @@ import torch
 
 from gossamer import transport
 from gossamer.communicators.base import Pending
-from gossamer.communicators.compressed import codec_id
+from gossamer.communicators.compressed import codec_id, rank_compressor
 from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.ops import get_topology
@@ -70,6 +70,10 @@ def default_gamma(compressor: Compressor) -> float:
 
 class ChocoGossip(Scheduled):
     r"""Each round: CHOCO-gossip with in-neighbours, sending compressed differences.
+
+    A stochastic compressor draws from this rank's own stream
+    (:func:`~gossamer.compression.for_rank`: independent rounding noise per rank for QSGD
+    and natural compression); its position is in :meth:`state_dict`.
 
     Args:
         compression (str | Compressor): the compressor (``"uint8"``, ``"topk:0.1"``, ...).
@@ -107,6 +111,15 @@ class ChocoGossip(Scheduled):
         self.codec = codec_id(self.compressor)
         # bucket index -> {("self",) | ("out", d) | ("in", s): public copy}
         self.copies: dict[int, dict[tuple, torch.Tensor]] = {}
+        self._ranked = False
+        self._use_rank_streams()
+
+    def _use_rank_streams(self) -> None:
+        """Give the compressor this rank's random stream (see ``for_rank``), once known."""
+        if not self._ranked:
+            mine = rank_compressor(self.compressor)
+            if mine is not None:
+                self.compressor, self._ranked = mine, True
 
     def _copy(self, index: int, key: tuple, like: torch.Tensor) -> torch.Tensor:
         # Every copy starts at zero on both ends of its edge, so they agree from round one.
@@ -116,6 +129,7 @@ class ChocoGossip(Scheduled):
         return copies[key]
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
+        self._use_rank_streams()
         x = flat.detach().clone()
         step = self.step
         if step is None:

@@ -11,9 +11,21 @@ r"""Compressed global averaging: fewer bytes on the wire for gradient allreduce.
 - sparsifiers (``topk``, ``randomk``, ``stc``) use ``allgather`` of every rank's payload
   (index and value pairs), which each rank decompresses and reduces.
 
+  Random-k keeps the same positions on every rank (its index stream is shared, see
+  :func:`~gossamer.compression.for_rank`), so only its values travel, in one ``allreduce``
+  whose call header carries the stream position: ranks whose streams disagree raise
+  instead of summing values of different positions.
+
 With ``error_feedback=True`` the residual of the first compression is kept per bucket and
 added to the next round's input (:class:`~gossamer.compression.ErrorFeedback`); it is on by
 default for biased compressors.
+
+Stochastic compressors get per-rank streams (:func:`~gossamer.compression.for_rank`):
+QSGD's and natural compression's rounding noise is drawn from a stream of its own on every
+rank (``rank_seed(seed, rank)``), so it averages out instead of adding up; random-k's index
+stream is common to all ranks. Call ``t`` of a rank draws from the stream of
+``(seed', t)``, and ``t`` is in :meth:`CompressedAllreduce.state_dict`, so a resumed run
+draws exactly what the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -22,17 +34,20 @@ import zlib
 
 import torch
 
-from gossamer import ops, transport
+from gossamer import context, ops, transport
 from gossamer.communicators.base import Communicator, Pending
 from gossamer.compression import (
     Compressor,
     ErrorFeedback,
     Payload,
+    RandomK,
     default_error_feedback,
+    for_rank,
     get_compressor,
 )
+from gossamer.ops.collectives import reduce_into
 
-__all__ = ["CompressedAllreduce", "codec_id"]
+__all__ = ["CompressedAllreduce", "codec_id", "rank_compressor"]
 
 _SPARSIFIERS = ("topk", "randomk", "stc")
 
@@ -40,6 +55,13 @@ _SPARSIFIERS = ("topk", "randomk", "stc")
 def codec_id(compressor: Compressor) -> int:
     """A stable id of ``compressor``'s configuration for the call header (0 is raw)."""
     return zlib.crc32(compressor.name.encode()) & 0x7FFF_FFFF or 1
+
+
+def rank_compressor(compressor: Compressor) -> Compressor | None:
+    """``for_rank(compressor, this rank)``, or None before ``gossamer.init``."""
+    if not context.is_initialized():
+        return None
+    return for_rank(compressor, transport.group_rank(None))
 
 
 class CompressedAllreduce(Communicator):
@@ -75,6 +97,19 @@ class CompressedAllreduce(Communicator):
         self.average = average
         self.feedback = ErrorFeedback(self.compressor) if error_feedback else None
         self.sparse = self.compressor.name.split(":")[0] in _SPARSIFIERS
+        self._ranked = False
+        self._use_rank_streams()
+
+    def _use_rank_streams(self) -> None:
+        """Give the compressor this rank's random stream (once the rank is known)."""
+        if self._ranked:
+            return
+        mine = rank_compressor(self.compressor)
+        if mine is None:
+            return
+        self.compressor, self._ranked = mine, True
+        if self.feedback is not None:
+            self.feedback.compressor = mine
 
     def _compress(self, x: torch.Tensor, key: object) -> Payload:
         if self.feedback is None:
@@ -82,8 +117,12 @@ class CompressedAllreduce(Communicator):
         return self.feedback.compress(x, key=key)
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
+        self._use_rank_streams()
         x = flat.detach().clone()  # the caller may change flat while the round runs
-        reduce = self._sparse if self.sparse else self._scatter_gather
+        if isinstance(self.compressor, RandomK):
+            reduce = self._shared_positions
+        else:
+            reduce = self._sparse if self.sparse else self._scatter_gather
         return transport.submit(self.name, lambda: reduce(x, index))
 
     def _decode(self, buffer: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -113,6 +152,19 @@ class CompressedAllreduce(Communicator):
         decoded = (self._decode(b, flat.numel(), flat) for b in buffers)
         total = torch.stack(list(decoded)).sum(0).view_as(flat)
         return total / n if self.average else total
+
+    def _shared_positions(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        # Every rank kept the same positions: sum the values alone. The header allgather of
+        # the allreduce carries (seed, step), so diverged streams raise, never mix.
+        payload = self._compress(flat, index)
+        head = payload.buffer[:16]
+        seed, step = head.view(torch.int64).tolist()
+        values = payload.buffer[16:].view(flat.dtype).clone()
+        stream = hash((seed, step)) & 0x3FFF_FFFF_FFFF_FFFF
+        transport.check_same_call("compressed_allreduce", values, None, aux=stream)
+        reduce_into(values, self.average, None)
+        buffer = torch.cat([head, values.view(torch.uint8)])
+        return self._decode(buffer, flat.numel(), flat).view_as(flat)
 
     def state_dict(self) -> dict:
         """Rounds, the compressor's state and the error-feedback residuals."""

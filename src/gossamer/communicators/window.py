@@ -19,7 +19,9 @@ import torch
 
 from gossamer import context
 from gossamer.communicators.base import Deferred, Pending
+from gossamer.communicators.choco import default_gamma
 from gossamer.communicators.neighbor import Scheduled
+from gossamer.compression import Compressor, get_compressor
 from gossamer.fusion import Bucket
 from gossamer.topology import Step, Topology
 from gossamer.transport import Handle
@@ -132,26 +134,84 @@ class _WindowGossip(Scheduled):
 
 
 class WindowPutGossip(_WindowGossip):
-    """Put each bucket to the out-neighbours; waiting combines what arrived (win-put).
+    r"""Put each bucket to the out-neighbours; waiting combines what arrived (win-put).
 
     The window of bucket ``i`` *is* the bucket's flat buffer, so a round puts the values
     just packed. :meth:`start` returns at once; ``wait()`` waits for this rank's puts and
     returns the combine of the window with the neighbours' latest copies.
+
+    With ``compression`` each put sends a compressed delta against the copy
+    :math:`\hat x_i` the destination holds (:meth:`~gossamer.windows.Window.put`), and the
+    combine is CHOCO-gossip's (Koloskova et al., 2019) with consensus step :math:`\gamma`:
+
+    .. math:: x_i \leftarrow x_i + \gamma \sum_j w_{ji} (\hat x_j - \hat x_i)
+        = x_i + \gamma \Big(\big(w_{ii} x_i + \sum_j w_{ji} b_j\big) - x_i
+        + (1 - w_{ii})(x_i - \hat x_i)\Big),
+
+    which, unlike :math:`w_{ii} x_i + \sum_j w_{ji} \hat x_j`, keeps the average of the
+    ranks' values for a doubly stochastic :math:`W` while the copies trail the values
+    (:math:`\hat x_i` is the mean of this rank's per-destination copies). With a schedule
+    the puts are weighted and the plain combine is used.
+
+    Args:
+        topology (Topology, optional): the windows' graph (default: the default topology).
+        schedule (Iterator[Step], optional): per round, the destinations and their weights.
+        prefix (str, optional): the windows' name prefix.
+        compression (str | Compressor, optional): compress the puts (``"uint8"``, ...).
+        gamma (float, optional): the consensus step in (0, 1] of the compressed combine;
+            default :func:`~gossamer.communicators.default_gamma` of the compressor (1 for
+            casts, 0.8 for ``uint8``, 1.5 x the kept fraction for sparsifiers).
     """
 
     name = "window_put"
 
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        *,
+        schedule: Iterator[Step] | None = None,
+        prefix: str | None = None,
+        compression: str | Compressor | None = None,
+        gamma: float | None = None,
+    ) -> None:
+        super().__init__(topology, schedule=schedule, prefix=prefix)
+        compressor = get_compressor(compression)
+        self.compression: Compressor | None = None if compressor.name == "none" else compressor
+        if gamma is None:
+            gamma = default_gamma(compressor)
+        if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not 0 < gamma <= 1:
+            raise ValueError(f"gamma must be a number in (0, 1]; got {gamma!r}")
+        self.gamma = float(gamma)
+
+    def state_dict(self) -> dict:
+        """As the base's, plus per window the copies of compressed puts (if compressed)."""
+        state = super().state_dict()
+        if self.compression is not None:
+            state["compression"] = [w.compression_state() for w in self.windows]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """As the base's, plus the copies of compressed puts where saved."""
+        super().load_state_dict(state)
+        for window, saved in zip(self.windows, self._per_window(state, "compression"), strict=True):
+            if saved is not None:
+                window.load_compression_state(saved)
+
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         window = self.windows[index]
-        put = window.put(dst_weights=self.destinations(window), async_op=True)
-        return _PutRound(put, window)
+        put = window.put(
+            dst_weights=self.destinations(window), async_op=True, compression=self.compression
+        )
+        corrected = self.compression is not None and self.step is None and not self.dst_weights
+        return _PutRound(put, window, self.gamma if corrected else None)
 
 
 class _PutRound(Deferred):
     """A put in flight: :meth:`sent` waits for it alone, ``wait()`` also combines."""
 
-    def __init__(self, put: Handle, window: Window) -> None:
+    def __init__(self, put: Handle, window: Window, gamma: float | None = None) -> None:
         self.put = put
+        self.gamma = gamma  # None: the plain combine
         super().__init__(lambda: self._combine(window))
 
     def sent(self) -> None:
@@ -160,7 +220,19 @@ class _PutRound(Deferred):
 
     def _combine(self, window: Window) -> torch.Tensor:
         self.put.wait()
-        return window.update(require_mutex=True)
+        if self.gamma is None:
+            return window.update(require_mutex=True)
+        x = window.tensor.detach().clone()
+        out = window.update(require_mutex=True)
+        copies = list(window.sent_copies().values())
+        with torch.no_grad():
+            if copies:
+                own = (sum(copies) / len(copies)).to(x.device)
+                self_weight, _ = window.topology.recv_weights(context.rank())
+                out.add_(x - own, alpha=1.0 - self_weight)
+            if self.gamma != 1.0:  # x + gamma (combined - x)
+                out.sub_(x).mul_(self.gamma).add_(x)
+        return out
 
 
 class PushSumGossip(_WindowGossip):

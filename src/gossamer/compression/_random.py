@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from gossamer.compression._common import check_int
 from gossamer.compression.base import Compressor
 
-__all__ = ["Seeded", "generator"]
+__all__ = ["Seeded", "for_rank", "generator", "rank_seed"]
 
 _MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, step: int) -> int:
+    """SplitMix64 of ``(seed, step)``, as 63 bits (every backend accepts them as a seed)."""
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -21,12 +30,50 @@ def generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch
     SplitMix64 spreads neighbouring ``(seed, step)`` pairs over unrelated streams, so the
     draws of step ``t`` do not repeat those of step ``t + 1`` shifted by one element.
     """
-    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     gen = torch.Generator(device=device)
-    gen.manual_seed((z ^ (z >> 31)) >> 1)  # 63 bits: every backend accepts it
+    gen.manual_seed(_mix(seed, step))
     return gen
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of ``rank``'s own stream, derived from a seed common to all ranks.
+
+    A hash of ``(seed, rank)``, not ``seed + rank``: a job with ``seed=1`` would otherwise
+    give its rank 0 the stream of rank 1 of a job with ``seed=0``.
+    """
+    check_int(seed, "seed", 0, 2**63 - 1)
+    check_int(rank, "rank", 0)
+    return _mix(seed ^ 0x5DEECE66D, 2 * rank + 1)
+
+
+def for_rank(compressor: Compressor, rank: int) -> Compressor:
+    """The compressor ``rank`` should use inside a communicator.
+
+    Deterministic compressors come back as they are. Stochastic ones (:class:`Seeded`) are
+    split by what their randomness is for:
+
+    - ``shared_stream`` (random-k): the draws choose *which* entries are sent, and ranks
+      whose payloads are summed must choose the same ones, so every rank keeps ``seed``:
+      step ``t`` of every rank draws the same indices;
+    - otherwise (QSGD, natural compression, natural dithering): the draws are rounding
+      noise, which averages out over ranks only if it is independent, so each rank gets
+      ``rank_seed(seed, rank)``.
+
+    Either way the draw of call ``t`` is the stream of ``(seed', t)``: deterministic per
+    rank and step, with the step counter (the compressor's ``state_dict``) carried over.
+
+    Raises:
+        TypeError: ``compressor`` is not a :class:`Compressor`.
+        ValueError: ``rank`` is negative.
+    """
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor must be a Compressor; got {type(compressor).__name__}")
+    check_int(rank, "rank", 0)
+    if not isinstance(compressor, Seeded) or compressor.shared_stream:
+        return compressor
+    mine = dataclasses.replace(compressor, seed=rank_seed(compressor.seed, rank))
+    mine.load_state_dict(compressor.state_dict())
+    return mine
 
 
 class _Counter:
@@ -45,6 +92,9 @@ class Seeded(Compressor):
     The step counter advances by one per non-empty :meth:`compress` call and is the whole of
     :meth:`state_dict`, so a run resumed from a checkpoint draws the same numbers.
     """
+
+    shared_stream: ClassVar[bool] = False
+    """Whether ranks must draw the same numbers (see :func:`for_rank`): True for random-k."""
 
     seed: int = field(default=0, kw_only=True)
     _counter: _Counter = field(

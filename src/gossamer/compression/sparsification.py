@@ -144,6 +144,7 @@ class RandomK(Seeded):
     """
 
     spec_name: ClassVar[str] = "randomk"
+    shared_stream: ClassVar[bool] = True
 
     ratio: float
     unbiased: bool = field(default=False, kw_only=True)  # type: ignore[misc]

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from gossamer import transport
-from gossamer.profiling import timeline
+from gossamer.profiling import count_collective, timeline
 from gossamer.transport import AVERAGING_DTYPES
 
 __all__ = [
@@ -106,6 +106,7 @@ def reduce_in_place(out: torch.Tensor, op: str, group: dist.ProcessGroup | None)
     with timeline.record(None, "communicating"):
         work = dist.all_reduce(wide, op=torch_op(op), group=group, async_op=True)
         transport.wait_works("allreduce", [(-1, work)])
+    count_collective("allreduce", "all_reduce", wide.nbytes, dist.get_world_size(group))
     if op == "average":
         wide.div_(dist.get_world_size(group))
     narrow_into(out, wide)

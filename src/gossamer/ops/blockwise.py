@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gossamer import transport
+from gossamer.profiling import count_collective, count_sent
 from gossamer.errors import PeerError
 from gossamer.ops._common import (
     SUM_DTYPES,
@@ -94,6 +95,7 @@ def reduce_scatter(
         )
         work = _reduce_scatter(block, wide, op=torch_op(op), group=group, async_op=True)
         transport.wait_works("reduce_scatter", [(-1, work)])
+        count_collective("reduce_scatter", "reduce_scatter", wide.nbytes, size)
         if op == "average":
             block.div_(size)
         out = torch.empty(block.shape, dtype=tensor.dtype, device=tensor.device)
@@ -174,6 +176,7 @@ def alltoall_v(
             async_op=True,
         )
         transport.wait_works("alltoall_v", [(-1, work)])
+        count_sent("alltoall_v", sum(c for r, c in enumerate(sends) if r != me) * width)
         return from_bytes(out, tensor.dtype, (sum(incoming), *tensor.shape[1:]))
 
     return transport.run("alltoall_v", body, async_op)

@@ -23,6 +23,7 @@ from gossamer.ops._common import (
     reduce_in_place,
     reject,
 )
+from gossamer.profiling import count_collective
 from gossamer.transport import (
     AVERAGING_DTYPES,
     DTYPES,
@@ -163,6 +164,9 @@ def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
         global_root = root if group is None else dist.get_global_rank(group, root)
         work = dist.broadcast(as_bytes(out), global_root, group=group, async_op=True)
         transport.wait_works("broadcast", [(global_root, work)])
+        count_collective(
+            "broadcast", "broadcast", out.nbytes, group_size(group), group_rank(group), root
+        )
         return _result(tensor, out, inplace)
 
     return transport.run("broadcast", body, async_op)
@@ -240,6 +244,7 @@ def allgather(
         parts = [torch.empty_like(padded) for _ in shapes]
         work = dist.all_gather(parts, padded, group=group, async_op=True)
         transport.wait_works("allgather", [(-1, work)])
+        count_collective("allgather", "all_gather", padded.nbytes, len(shapes))
         data = torch.cat([p[: s[0] * row] for p, s in zip(parts, shapes, strict=True)])
         return from_bytes(data, tensor.dtype, (sum(s[0] for s in shapes), *rest))
 
@@ -286,6 +291,7 @@ def alltoall(
         out = torch.empty_like(source)
         work = dist.all_to_all_single(out, source, group=group, async_op=True)
         transport.wait_works("alltoall", [(-1, work)])
+        count_collective("alltoall", "all_to_all", source.nbytes, size)
         return out
 
     return transport.run("alltoall", body, async_op)

@@ -31,7 +31,7 @@ from gossamer.errors import (
 )
 from gossamer.ops.collectives import allreduce, reduce_into
 from gossamer.ops.defaults import get_machine_topology
-from gossamer.profiling import timeline
+from gossamer.profiling import count_collective, timeline
 from gossamer.transport import (
     AVERAGING_DTYPES,
     Handle,
@@ -151,6 +151,7 @@ def hierarchical_neighbor_allreduce(
                 buf[x.nbytes :] = _status(err)
         work = dist.broadcast(buf, leader, group=local, async_op=True)
         transport.wait_works(op, [(leader, work)])
+        _count_broadcast(op, buf, leader, local)
         if failure is not None:
             _forward(op, failure, leader, local)
             raise failure
@@ -248,12 +249,20 @@ def _record(err: GossamerError) -> bytes:
     return json.dumps({"kind": kind, "message": str(err), "ranks": ranks}).encode()
 
 
+def _count_broadcast(op: str, data: torch.Tensor, leader: int, local: dist.ProcessGroup) -> None:
+    """Count a machine-local broadcast from ``leader`` (a global rank)."""
+    root = dist.get_group_rank(local, leader)
+    size, me = dist.get_world_size(local), dist.get_rank(local)
+    count_collective(op, "broadcast", data.nbytes, size, me, root)
+
+
 def _forward(op: str, err: GossamerError, leader: int, local: dist.ProcessGroup) -> None:
     """The leader sends its failure's record to the machine's other ranks."""
     record = _record(err)
     data = torch.frombuffer(bytearray(record), dtype=torch.uint8)
     work = dist.broadcast(data, leader, group=local, async_op=True)
     transport.wait_works(op, [(leader, work)])
+    _count_broadcast(op, data, leader, local)
 
 
 def _forwarded(
@@ -264,6 +273,7 @@ def _forwarded(
     data = torch.empty(size, dtype=torch.uint8)
     work = dist.broadcast(data, leader, group=local, async_op=True)
     transport.wait_works(op, [(leader, work)])
+    _count_broadcast(op, data, leader, local)
     record = json.loads(bytes(data.tolist()).decode())
     cls = _KINDS[record["kind"]]
     if cls in (PeerArgumentError, RankLostError):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from gossamer import transport
 from gossamer.combine import is_uniform, scaled_copies, weighted_sum
 from gossamer.ops.defaults import get_topology
-from gossamer.profiling import timeline
+from gossamer.profiling import count_collective, timeline
 from gossamer.topology import Topology
 from gossamer.transport import (
     AVERAGING_DTYPES,
@@ -72,6 +72,7 @@ def _check_graph(
     mine[-2:] = torch.tensor([length & 0xFF, length >> 8], dtype=torch.uint8)
     rows = [torch.empty_like(mine) for _ in range(size)]
     transport.wait_works(op, [(-1, dist.all_gather(rows, mine, group=group, async_op=True))])
+    count_collective(op, "all_gather", mine.nbytes, size)
     lengths = [int(r[-2]) + (int(r[-1]) << 8) for r in rows]
     if any(lengths):
         texts = transport.gather_reasons(op, lengths, rejection, group)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gossamer import transport
+from gossamer.profiling import count_collective
 from gossamer.ops._common import (
     SUM_DTYPES,
     check_reduce_op,
@@ -97,6 +98,7 @@ def reduce(
         where = _global(group, root)
         work = dist.reduce(wide, where, op=torch_op(op), group=group, async_op=True)
         transport.wait_works("reduce", [(where, work)])
+        count_collective("reduce", "reduce", wide.nbytes, dist.get_world_size(group))
         if me != root:
             return None
         if op == "average":
@@ -147,6 +149,7 @@ def gather(
         where = _global(group, root)
         work = dist.gather(data, parts, dst=where, group=group, async_op=True)
         transport.wait_works("gather", [(where, work)])
+        count_collective("gather", "gather", data.nbytes, size, me, root)
         if parts is None:
             return None
         shape = (size * tensor.shape[0], *tensor.shape[1:])
@@ -203,6 +206,7 @@ def scatter(
         where = _global(group, root)
         work = dist.scatter(out, parts, src=where, group=group, async_op=True)
         transport.wait_works("scatter", [(where, work)])
+        count_collective("scatter", "scatter", data.nbytes, size, me, root)
         return from_bytes(out, tensor.dtype, shape)
 
     return transport.run("scatter", body, async_op)

@@ -45,19 +45,22 @@ class _OverWindows:
         communication: str | None = None,
         **kwargs,
     ) -> None:
-        if kwargs.get("compression") not in (None, "none"):
+        compression = kwargs.pop("compression", None)
+        if compression not in (None, "none") and self.gossip is not WindowPutGossip:
             raise ValueError(
-                f"{type(self).__name__}: compression={kwargs['compression']!r} is not built for "
-                "window optimizers yet (compressed window deltas); use AdaptWithCombine or "
-                "AdaptThenCombine with compression= (CHOCO-gossip)"
+                f"{type(self).__name__}: compression={compression!r} is not built for push-sum "
+                "(an error-feedback residual holds back mass, which push-sum must conserve); "
+                "use WindowPut, or AdaptWithCombine with compression= (CHOCO-gossip)"
             )
-        kwargs.pop("compression", None)
         if communication not in (None, "neighbor_allreduce"):
             raise ValueError(
                 f"{type(self).__name__} communicates through windows; communication must be "
                 f"'neighbor_allreduce'; got {communication!r}"
             )
-        gossip = self.gossip(topology, schedule=schedule)
+        if self.gossip is WindowPutGossip:
+            gossip = WindowPutGossip(topology, schedule=schedule, compression=compression)
+        else:
+            gossip = self.gossip(topology, schedule=schedule)
         super().__init__(optimizer, model, communicator=gossip, **kwargs)  # type: ignore[call-arg]
 
     @property
@@ -78,6 +81,9 @@ class WindowPut(_OverWindows, AdaptWithCombine):
         topology (Topology, optional): the windows' graph (default: the default topology).
         schedule (Iterator[Step], optional): per round, the destinations and their weights.
         communication (str, optional): only ``"neighbor_allreduce"`` (kept for symmetry).
+        compression (str | Compressor, optional): compress the puts: each sends the
+            compressed change of the copy its destination holds (``"uint8"``,
+            ``"topk:0.1"``, ...; see :meth:`gossamer.windows.Window.put`).
         **kwargs: ``num_steps_per_communication``, ``fusion_threshold_bytes``.
 
     Example:

@@ -14,6 +14,14 @@ Example:
 
 from __future__ import annotations
 
+from gossamer.profiling.counters import (
+    bytes_sent,
+    bytes_sent_by_op,
+    collective_bytes,
+    count_collective,
+    count_sent,
+    reset_bytes_sent,
+)
 from gossamer.profiling.session import (
     attach,
     detach,
@@ -28,10 +36,16 @@ from gossamer.profiling.trace import merge_traces
 __all__ = [
     "activity",
     "attach",
+    "bytes_sent",
+    "bytes_sent_by_op",
+    "collective_bytes",
+    "count_collective",
+    "count_sent",
     "detach",
     "end_activity",
     "maybe_start_from_env",
     "merge_traces",
+    "reset_bytes_sent",
     "start_activity",
     "start_timeline",
     "stop_timeline",

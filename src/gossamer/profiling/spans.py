@@ -23,6 +23,7 @@ __all__ = [
     "activity",
     "end_activity",
     "record",
+    "sent",
     "start_activity",
     "timeline_enabled",
     "traced",
@@ -33,8 +34,9 @@ T = TypeVar("T")
 # The activities the communication layer records, in the order an operation goes through.
 PHASES = ("queued", "running", "communicating", "combining")
 
-# A span: (row, activity, start ns, end ns, name of the exception that ended it or None).
-Span = tuple[str, str, int, int, str | None]
+# A span: (row, activity, start ns, end ns, name of the exception that ended it or None,
+# bytes sent during it: 0 when none or not counted).
+Span = tuple[str, str, int, int, str | None, int]
 # Activities begun and not yet ended: row -> stack of (activity, start ns).
 _Open = dict[str, list[tuple[str, int]]]
 
@@ -43,7 +45,8 @@ _on = False
 _events: list[Span] = []
 _lock = threading.Lock()  # guards the open activities and the handing over of the buffers
 _open: _Open = {}
-_local = threading.local()  # .op: the operation the engine is running on this thread
+# .op: the operation the engine is running on this thread; .sent: [bytes it sent so far]
+_local = threading.local()
 _now = time.perf_counter_ns
 
 _FALLBACK_ROW = "gossamer"
@@ -83,7 +86,7 @@ class _Recording:
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         error = None if exc_type is None else exc_type.__name__
-        self._events.append((self._row, self._activity, self._t0, _now(), error))
+        self._events.append((self._row, self._activity, self._t0, _now(), error, 0))
 
 
 def timeline_enabled() -> bool:
@@ -160,9 +163,10 @@ def traced(name: str, job: Callable[[], T]) -> Callable[[], T]:
 
     def run() -> T:
         started = _now()
-        events.append((name, "queued", submitted, started, None))
-        outer = getattr(_local, "op", None)
-        _local.op = name
+        events.append((name, "queued", submitted, started, None, 0))
+        outer, outer_sent = getattr(_local, "op", None), getattr(_local, "sent", None)
+        _local.op, _local.sent = name, [0]
+        sent = _local.sent
         error = None
         try:
             return job()
@@ -170,10 +174,28 @@ def traced(name: str, job: Callable[[], T]) -> Callable[[], T]:
             error = type(err).__name__
             raise
         finally:
-            _local.op = outer
-            events.append((name, "running", started, _now(), error))
+            _local.op, _local.sent = outer, outer_sent
+            events.append((name, "running", started, _now(), error, sent[0]))
 
     return run
+
+
+def sent(op: str, nbytes: int) -> None:
+    """Put ``nbytes`` sent by ``op`` on the timeline (the byte counters' hook).
+
+    Inside a job of the communication thread (:func:`traced`) the bytes add to that job's
+    ``"running"`` span (its ``args.bytes``); elsewhere (the window service's threads) they
+    are a span ``"sent"`` of no duration on row ``op``. Nothing happens while the timeline
+    is off.
+    """
+    if not _on:
+        return
+    total = getattr(_local, "sent", None)
+    if total is not None:
+        total[0] += nbytes
+        return
+    now = _now()
+    _events.append((op, "sent", now, now, None, nbytes))
 
 
 def start_activity(name: str, activity: str) -> None:
@@ -218,7 +240,7 @@ def end_activity(name: str) -> None:
         if not stack:
             return
         label, t0 = stack.pop()
-        _events.append((name, label, t0, t1, None))
+        _events.append((name, label, t0, t1, None, 0))
 
 
 def _switch_on() -> None:
@@ -241,7 +263,7 @@ def _switch_off() -> list[Span]:
     # Activities never ended are shown up to the stop, flagged, rather than dropped.
     end = _now()
     for row, stack in still_open:
-        spans.extend((row, label, t0, end, "not ended") for label, t0 in stack)
+        spans.extend((row, label, t0, end, "not ended", 0) for label, t0 in stack)
     return spans
 
 

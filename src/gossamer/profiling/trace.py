@@ -118,7 +118,8 @@ def _render(spans: list[Span], rank: int, origin_ns: int) -> list[dict[str, Any]
                 "args": {"sort_index": tid},
             }
         )
-        for _, label, t0, t1, error in placed:
+        for _, label, t0, t1, error, *extra in placed:
+            nbytes = extra[0] if extra else 0  # spans recorded before bytes were counted
             event: dict[str, Any] = {
                 "name": label,
                 "cat": "gossamer",
@@ -128,8 +129,13 @@ def _render(spans: list[Span], rank: int, origin_ns: int) -> list[dict[str, Any]
                 "pid": rank,
                 "tid": tid,
             }
+            args: dict[str, Any] = {}
             if error is not None:
-                event["args"] = {"error": error}
+                args["error"] = error
+            if nbytes:
+                args["bytes"] = nbytes
+            if args:
+                event["args"] = args
             events.append(event)
     return events
 

@@ -74,6 +74,8 @@ OPS = (
     "reduce_scatter",
     "alltoall_v",
     "point_to_point",
+    # Random-k's values summed over ranks; the header's aux is the (seed, step) of its positions.
+    "compressed_allreduce",
 )
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from gossamer import context
 from gossamer.errors import PeerError
-from gossamer.profiling import timeline
+from gossamer.profiling import count_collective, count_sent, timeline
 from gossamer.transport.failures import wait_works
 from gossamer.transport.header import HEADER_LEN, Header
 from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
@@ -110,6 +110,7 @@ def _p2p(
         k = index[fn, peer] = index.get((fn, peer), -1) + 1
         ops.append(dist.P2POp(fn, chunk, group=group, group_peer=peer, tag=tag + k))
     works = dist.batch_isend_irecv(ops)
+    count_sent(op, sum(t.nbytes for _, t in sends))
     peers = [p for _, p, _ in posts]
     if len(works) != len(peers):  # a coalescing backend (NCCL) returns one work
         peers = [-1] * len(works)
@@ -235,6 +236,7 @@ def check_same_call(
     gathered = [torch.empty_like(mine) for _ in range(size)]
     with timeline.record(op, "communicating"):
         wait_works(op, [(-1, dist.all_gather(gathered, mine, group=group, async_op=True))])
+    count_collective(op, "all_gather", mine.nbytes, size)
     heads = [Header.decode(h) for h in gathered]
     if any(h.op == REJECTED for h in heads):
         lengths = [h.numel if h.op == REJECTED else 0 for h in heads]

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from gossamer import context
 from gossamer.errors import GossamerError, PeerArgumentError
+from gossamer.profiling import count_collective
 from gossamer.transport import engine
 from gossamer.transport.checks import group_rank
 from gossamer.transport.failures import wait_works
@@ -93,6 +94,7 @@ def gather_reasons(
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     parts = [torch.empty_like(mine) for _ in lengths]
     wait_works(op, [(-1, dist.all_gather(parts, mine, group=group, async_op=True))])
+    count_collective(op, "all_gather", mine.nbytes, len(lengths))
     return [
         bytes(p[:n].tolist()).decode(errors="replace") for p, n in zip(parts, lengths, strict=True)
     ]

@@ -56,9 +56,10 @@ def issue(
     finish: Callable[[], None],
     async_op: bool,
 ) -> Handle | None:
-    """Send ``requests`` ``(peer, kind, payload, value)``; run ``finish`` once all land."""
+    """Send ``requests`` ``(peer, kind, payload, value[, codec])``; ``finish`` once all land."""
     done: concurrent.futures.Future = concurrent.futures.Future()
     windows = registry()
+    requests = [(*r, 0) if len(r) == 4 else r for r in requests]
 
     def post() -> None:
         svc = windows.service
@@ -67,18 +68,18 @@ def issue(
                 finish()
                 done.set_result(None)
             elif require_mutex:
-                for peer, kind, payload, value in requests:
+                for peer, kind, payload, value, codec in requests:
                     with remote_locks(svc, state, [peer]):
                         future, sends = svc.request(
-                            kind, peer, state.wid, payload=payload, value=value
+                            kind, peer, state.wid, payload=payload, value=value, codec=codec
                         )
                         svc.wait(what, peer, future, sends)
                 finish()
                 done.set_result(None)
             else:
                 posted = [
-                    svc.request(kind, peer, state.wid, payload=payload, value=value)
-                    for peer, kind, payload, value in requests
+                    svc.request(kind, peer, state.wid, payload=payload, value=value, codec=codec)
+                    for peer, kind, payload, value, codec in requests
                 ]
                 _when_all(posted, finish, done)
         except BaseException as err:  # handed to the caller through the handle

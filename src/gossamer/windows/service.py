@@ -30,16 +30,20 @@ import torch
 import torch.distributed as dist
 
 from gossamer import context
+from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.errors import CommunicationTimeout, PeerError, WindowError
+from gossamer.profiling import count_sent
 from gossamer.transport import HEADER_LEN, Header
 
-__all__ = ["WINDOW_DTYPES", "Kind", "Service", "WindowState"]
+__all__ = ["COMPRESSED", "WINDOW_DTYPES", "Kind", "Service", "WindowState", "compressed_message"]
 
 logger = logging.getLogger("gossamer.windows")
 
 _HEADER_TAG = 0x7701
 _PAYLOAD_TAG_BASE = 1 << 20
 WINDOW_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+# The header codec of a compressed put or accumulate: the payload names its compressor.
+COMPRESSED = 1
 
 
 class Kind(Enum):
@@ -80,6 +84,13 @@ class WindowState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     mutexes: dict[int, _Mutex] = field(default_factory=dict)
     staging: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Compressed puts (all host tensors of the window's shape). At the origin: what each
+    # destination's copy of this rank holds, and accumulate's error-feedback residuals;
+    # at the target: the copy of each source, which compressed puts update by their deltas.
+    sent: dict[int, torch.Tensor] = field(default_factory=dict)
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    replicas: dict[int, torch.Tensor] = field(default_factory=dict)
+    compressors: dict[str, Compressor] = field(default_factory=dict)
 
     def stage(self, peer: int) -> torch.Tensor:
         """A host buffer of the window's shape to receive ``peer``'s payload into."""
@@ -96,8 +107,24 @@ def _header(
     dtype: torch.dtype = torch.float32,
     value: float = 0.0,
     slot: int = 0,
+    codec: int = 0,
 ) -> torch.Tensor:
-    return Header(kind.value, dtype, (numel,), seq=req, aux=wid, slot=slot, value=value).encode()
+    return Header(
+        kind.value, dtype, (numel,), seq=req, aux=wid, slot=slot, codec=codec, value=value
+    ).encode()
+
+
+def compressed_message(compressor: Compressor, payload: Payload) -> torch.Tensor:
+    """One byte of name length, the compressor's registry name, then the payload's bytes.
+
+    Self-describing, so the target decodes with what the origin chose (one call's choice,
+    not a setting both sides must share); the name costs ``1 + len(name)`` bytes.
+    """
+    name = compressor.name.encode()
+    if len(name) > 255:
+        raise ValueError(f"compression name must be at most 255 bytes; got {compressor.name!r}")
+    head = torch.tensor([len(name), *name], dtype=torch.uint8)
+    return torch.cat([head, payload.buffer.to("cpu")])
 
 
 class Service:
@@ -108,6 +135,7 @@ class Service:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.windows: dict[int, WindowState] = {}
+        self._codecs: dict[str, Compressor] = {}  # compressed puts' decoders, by name
         self._ids = itertools.count(1)
         self._pending: dict[int, concurrent.futures.Future] = {}
         # The progress thread's sends, oldest first, until the reaper has waited for them.
@@ -131,6 +159,7 @@ class Service:
         payload: torch.Tensor | None = None,
         value: float = 0.0,
         slot: int = 0,
+        codec: int = 0,
     ) -> tuple[concurrent.futures.Future, list]:
         """Send a request to ``target``; the future completes on its answer."""
         self.check()
@@ -140,7 +169,7 @@ class Service:
             self._pending[req] = future
         numel = 0 if payload is None else payload.numel()
         dtype = torch.float32 if payload is None else payload.dtype
-        head = _header(kind, wid, req, numel, dtype, value, slot)
+        head = _header(kind, wid, req, numel, dtype, value, slot, codec)
         try:
             sends = [(self.group.send([head], target, _HEADER_TAG), head)]
             if payload is not None:
@@ -153,6 +182,7 @@ class Service:
                 f"window {kind.name.lower()}: cannot reach rank {target} ({err}); "
                 "did that rank crash or exit?"
             ) from err
+        count_sent(kind.value, sum(t.nbytes for _, t in sends))
         return future, sends
 
     def wait(
@@ -227,9 +257,12 @@ class Service:
         # Called from the progress thread and from release() on any thread. A dropped Work
         # would cancel its send, so each one stays queued until the reaper has waited for it.
         self._sends.put((self.group.send([head], dst, _HEADER_TAG), head))
+        sent = head.nbytes
         if len(tensors_and_tags) > 1:
             payload, tag = tensors_and_tags[1], tensors_and_tags[2]
             self._sends.put((self.group.send([payload], dst, tag), payload))
+            sent += payload.nbytes
+        count_sent(Header.decode(head).op, sent)
 
     def _reap(self) -> None:
         """Wait for the progress thread's sends in order and drop them (until ``None``).
@@ -293,7 +326,46 @@ class Service:
     def _state(self, wid: int) -> WindowState | None:
         return self.windows.get(wid)
 
+    def _decode(self, data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The tensor a :func:`compressed_message` encodes (ValueError if it does not fit)."""
+        length = int(data[0])
+        name = bytes(data[1 : 1 + length].tolist()).decode()
+        if name not in self._codecs:
+            self._codecs[name] = get_compressor(name)
+        payload = Payload(data[1 + length :].clone(), like.shape, like.dtype)
+        return self._codecs[name].decompress(payload)
+
+    def _on_compressed(self, kind: Kind, src: int, h: Header) -> None:
+        """A compressed put (a delta to this source's copy) or accumulate (a summand)."""
+        wid, req, value = h.aux, h.seq, h.value
+        state = self._state(wid)
+        data = torch.empty(h.numel, dtype=torch.uint8)
+        self._recv_payload(src, req, data)
+        try:
+            if state is None or src not in state.buffers:
+                raise ValueError("no such window or slot")
+            delta = self._decode(data, state.buffers[src])
+        except (ValueError, TypeError, UnicodeDecodeError):
+            self._post(src, _header(Kind.NACK, wid, req))
+            return
+        with state.lock:
+            if kind == Kind.PUT:
+                replica = state.replicas.get(src)
+                if replica is None:
+                    replica = state.replicas[src] = torch.zeros_like(delta)
+                replica.add_(delta)
+                state.buffers[src].copy_(replica)
+                state.versions[src] += 1
+                state.p_buffers[src] = value
+            else:
+                state.buffers[src].add_(delta)
+                state.p_buffers[src] += value
+        self._post(src, _header(Kind.ACK, wid, req))
+
     def _on_write(self, kind: Kind, src: int, h: Header) -> None:
+        if h.codec == COMPRESSED:
+            self._on_compressed(kind, src, h)
+            return
         wid, req, value = h.aux, h.seq, h.value
         state = self._state(wid)
         if (

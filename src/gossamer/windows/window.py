@@ -7,6 +7,17 @@ and ``update`` combines :math:`x_r \leftarrow w_{rr} x_r + \sum_s w_{sr} b_r[s]`
 push-sum on, a scalar :math:`p` travels with every put and accumulate and is combined by
 ``update`` the same way, so :math:`x / p` converges to the average on any strongly connected
 directed graph (Kempe et al., 2003).
+
+``put`` and ``accumulate`` take ``compression=`` (a compressor or its registry name): the
+origin then sends a compressed message instead of the tensor. A compressed put sends the
+*change* of what the destination holds for this rank: the origin keeps a copy
+:math:`\hat x_{r \to d}` of it (zero at first, on both sides), sends
+:math:`q = C(w_d x - \hat x_{r \to d})`, and both sides add :math:`D(q)` to their copy; the
+destination's slot becomes its copy. What the compression drops stays in
+:math:`w_d x - \hat x_{r \to d}` and is sent with the next put (error feedback on the
+sender, as CHOCO-gossip's public copies). A compressed accumulate sends
+:math:`C(w_d x + e_d)` with an error-feedback residual :math:`e_d` per destination, and the
+destination adds :math:`D(\cdot)` into its slot.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import torch.distributed as dist
 
 from gossamer import context, transport
 from gossamer.combine import is_uniform, weighted_sum
+from gossamer.compression import Compressor, for_rank, get_compressor
 from gossamer.errors import WindowError
 from gossamer.ops.defaults import get_topology
 from gossamer.topology import Topology
@@ -25,7 +37,13 @@ from gossamer.transport import Handle, check_flag, check_rank, check_weight, che
 from gossamer.windows.locks import local_locks, remote_locks
 from gossamer.windows.registry import registry
 from gossamer.windows.requests import issue
-from gossamer.windows.service import WINDOW_DTYPES, Kind, WindowState
+from gossamer.windows.service import (
+    COMPRESSED,
+    WINDOW_DTYPES,
+    Kind,
+    WindowState,
+    compressed_message,
+)
 
 __all__ = ["Window", "live_windows"]
 
@@ -159,6 +177,11 @@ class Window:
 
     # ------------------------------------------------------------------ reading state
     @property
+    def topology(self) -> Topology:
+        """The graph the window captured at :meth:`create`."""
+        return self._topology
+
+    @property
     def tensor(self) -> torch.Tensor:
         """The registered tensor (the object passed to :meth:`create`)."""
         return self._require().tensor
@@ -201,6 +224,41 @@ class Window:
         with state.lock:
             return dict(state.p_buffers)
 
+    def sent_copies(self) -> dict[int, torch.Tensor]:
+        """What each destination holds for this rank after compressed puts (host copies).
+
+        Empty before the first compressed put; see :meth:`put`.
+        """
+        state = self._require()
+        return {d: t.clone() for d, t in state.sent.items()}
+
+    def compression_state(self) -> dict[str, dict]:
+        """The copies compressed puts keep, for a checkpoint.
+
+        ``sent`` (this rank's copy per destination), ``replicas`` (each source's copy here),
+        ``residuals`` (accumulate's error feedback per destination) and ``steps`` (the
+        stochastic compressors' stream positions).
+        """
+        state = self._require()
+        with state.lock:
+            return {
+                "sent": {d: t.clone() for d, t in state.sent.items()},
+                "replicas": {s: t.clone() for s, t in state.replicas.items()},
+                "residuals": {d: t.clone() for d, t in state.residuals.items()},
+                "steps": {n: c.state_dict() for n, c in state.compressors.items()},
+            }
+
+    def load_compression_state(self, saved: Mapping[str, Mapping]) -> None:
+        """Restore :meth:`compression_state`'s output (on every rank, before communicating)."""
+        state = self._require()
+        with state.lock:
+            state.sent = {int(d): t.clone() for d, t in saved.get("sent", {}).items()}
+            state.replicas = {int(s): t.clone() for s, t in saved.get("replicas", {}).items()}
+            state.residuals = {int(d): t.clone() for d, t in saved.get("residuals", {}).items()}
+            for name, steps in saved.get("steps", {}).items():
+                self._compressor(name, "load_compression_state", state.tensor.dtype)
+                state.compressors[name].load_state_dict(steps)
+
     def load_slots(
         self, buffers: Mapping[int, torch.Tensor], p_buffers: Mapping[int, float] | None = None
     ) -> None:
@@ -237,7 +295,41 @@ class Window:
             )
         return check_weights(weights, "dst_weights", n, me, self.out_neighbors, "out-neighbours")
 
-    def _write(self, kind: Kind, tensor, self_weight, dst_weights, require_mutex, async_op):
+    def _compressor(self, compression, what: str, dtype: torch.dtype) -> Compressor | None:
+        """This rank's compressor for ``compression`` (None: send the tensor as it is)."""
+        if compression is None:
+            return None
+        compressor = get_compressor(compression, argument="compression")
+        if compressor.name == "none":
+            return None
+        if not dtype.is_floating_point:
+            raise TypeError(
+                f"{what}: compression={compressor.name!r} needs a floating window; got {dtype}"
+            )
+        state = self._require()
+        mine = state.compressors.get(compressor.name)
+        if mine is None:  # kept, so that a stochastic compressor's stream advances per call
+            mine = state.compressors[compressor.name] = for_rank(compressor, context.rank())
+        return mine
+
+    def _compressed(self, state: WindowState, kind: Kind, target: torch.Tensor, dst: int, c):
+        """The message of a compressed put or accumulate of ``target`` to ``dst``."""
+        if kind == Kind.PUT:
+            sent = state.sent.get(dst)
+            if sent is None:
+                sent = state.sent[dst] = torch.zeros_like(target)
+            payload = c.compress(target - sent)
+            sent.add_(c.decompress(payload))  # what dst's copy becomes, bit for bit
+        else:
+            residual = state.residuals.get(dst)
+            corrected = target if residual is None else target + residual
+            payload = c.compress(corrected)
+            state.residuals[dst] = corrected - c.decompress(payload)
+        return compressed_message(c, payload)
+
+    def _write(
+        self, kind: Kind, tensor, self_weight, dst_weights, require_mutex, async_op, compression
+    ):
         what = f"Window.{kind.name.lower()} on {self.name!r}"
         state = self._require()
         x = state.tensor if tensor is None else tensor
@@ -254,20 +346,21 @@ class Window:
         sw = None if self_weight is None else check_weight(self_weight, "self_weight")
         check_flag(require_mutex, "require_mutex", what)
         check_flag(async_op, "async_op", what)
+        compressor = self._compressor(compression, what, x.dtype)
         me, n = context.rank(), context.size()
         host = x.detach().to("cpu").contiguous()
         p = state.p
-        requests = [
+        requests = []
+        for dst, w in sorted(dsts.items(), key=lambda d: (d[0] - me) % n):  # clockwise
             # Cast back: an integer window scaled by a float weight would otherwise send a
             # float payload, which the target refuses (dtype mismatch).
-            (
-                dst,
-                kind,
-                host if w == 1.0 else (host * w).to(host.dtype),
-                w * p if state.push_sum else 0.0,
-            )
-            for dst, w in sorted(dsts.items(), key=lambda d: (d[0] - me) % n)  # clockwise
-        ]
+            target = host if w == 1.0 else (host * w).to(host.dtype)
+            value = w * p if state.push_sum else 0.0
+            if compressor is None:
+                requests.append((dst, kind, target, value))
+            else:
+                message = self._compressed(state, kind, target, dst, compressor)
+                requests.append((dst, kind, message, value, COMPRESSED))
 
         def finish() -> None:
             if sw is not None and sw != 1.0:
@@ -289,6 +382,7 @@ class Window:
         dst_weights: Mapping[int, float] | None = None,
         require_mutex: bool = False,
         async_op: bool = False,
+        compression: str | Compressor | None = None,
     ) -> Handle | None:
         r"""Overwrite this rank's slot at each destination: :math:`b_d[r] \leftarrow w_d x`.
 
@@ -304,8 +398,18 @@ class Window:
                 out-neighbours; default: every out-neighbour with weight 1.
             require_mutex (bool): hold the (destination, this rank) mutex while writing.
             async_op (bool): return a :class:`Handle` instead of waiting.
+            compression (str | Compressor, optional): send a compressed delta of
+                :math:`w_d x` against the copy the destination holds (see the module);
+                the slot then holds that copy. Floating windows only.
+
+        Raises:
+            TypeError: ``compression`` on an integer window.
+            ValueError: an unknown ``compression``, a tensor unlike the window's, or
+                destinations that are not out-neighbours.
         """
-        return self._write(Kind.PUT, tensor, self_weight, dst_weights, require_mutex, async_op)
+        return self._write(
+            Kind.PUT, tensor, self_weight, dst_weights, require_mutex, async_op, compression
+        )
 
     def accumulate(
         self,
@@ -315,13 +419,16 @@ class Window:
         dst_weights: Mapping[int, float] | None = None,
         require_mutex: bool = False,
         async_op: bool = False,
+        compression: str | Compressor | None = None,
     ) -> Handle | None:
         r"""Add into this rank's slot at each destination: :math:`b_d[r] \mathrel{+}= w_d x`.
 
-        Like :meth:`put` otherwise, but versions are not bumped (as in BlueFog).
+        Like :meth:`put` otherwise, but versions are not bumped (as in BlueFog). With
+        ``compression`` the destination adds :math:`D(C(w_d x + e_d))` and this rank keeps
+        the residual :math:`e_d` for the next accumulate to ``d`` (error feedback).
         """
         return self._write(
-            Kind.ACCUMULATE, tensor, self_weight, dst_weights, require_mutex, async_op
+            Kind.ACCUMULATE, tensor, self_weight, dst_weights, require_mutex, async_op, compression
         )
 
     def get(

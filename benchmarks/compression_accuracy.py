@@ -1,0 +1,168 @@
+"""Digits accuracy per compressor: compressed gradient allreduce, 8-bit CHOCO gossip, 8-bit QAT.
+
+Run under the launcher (4 ranks; about 6 minutes on a 2-core machine shared with other jobs)::
+
+    gossamer run -np 4 benchmarks/compression_accuracy.py
+    gossamer run -np 4 benchmarks/compression_accuracy.py --compressors topk:0.1 --no-gossip
+
+Every configuration trains :class:`gossamer.models.SmallCNN` on scikit-learn's bundled digits
+(the loader, split and model of ``examples/train_digits.py``) from the same initial weights,
+on the same shards and batches, with Adam and a cosine learning-rate decay, for a fixed
+number of steps, then reports the mean test accuracy of the ranks' models and the bytes each
+rank sent per step (``gossamer.profiling.bytes_sent``: point-to-point messages exactly,
+collectives by their ring cost, call headers included):
+
+- ``allreduce``: uncompressed gradient allreduce, the baseline of the compressed rows;
+- ``allreduce + <c> + EF``: ``GradientAllreduce(compression=c, error_feedback=True)`` for
+  every registered compressor (``--compressors`` picks others);
+- ``gossip``: uncompressed adapt-with-combine over the exponential-two graph, the baseline of
+  the CHOCO rows; ``choco uint8``: the same with 8-bit CHOCO-gossip;
+- ``QAT ...``: the model prepared by ``compression.quantize_model`` (torch's 8-bit
+  quantization-aware training) with allreduce, and with 8-bit CHOCO (8-bit training).
+
+Rank 0 prints a markdown table and writes it, with the raw numbers as JSON, under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import gossamer
+from gossamer import compression, optim, profiling
+from gossamer import topology as topo
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_digits import accuracy, load_digits, make_model, split
+
+COMPRESSORS = (
+    "fp16",
+    "bf16",
+    "uint8",
+    "qsgd:16",
+    "natural",
+    "natural_dithering:8",
+    "topk:0.01",
+    "randomk:0.01",
+    "stc:0.01",
+    "sign",
+)
+
+
+def configurations(compressors: list[str], gossip: bool) -> list[tuple[str, dict]]:
+    """(row name, options) in table order; options: optimizer, compression, qat."""
+    rows = [("allreduce", {"optimizer": "allreduce"})]
+    rows += [
+        (f"allreduce + {c} + EF", {"optimizer": "allreduce", "compression": c}) for c in compressors
+    ]
+    if gossip:
+        rows += [
+            ("gossip", {"optimizer": "gossip"}),
+            ("choco uint8", {"optimizer": "gossip", "compression": "uint8"}),
+            ("QAT allreduce", {"optimizer": "allreduce", "qat": True}),
+            ("QAT choco uint8", {"optimizer": "gossip", "compression": "uint8", "qat": True}),
+        ]
+    return rows
+
+
+def train(options: dict, data, args) -> tuple[float, float, float]:
+    """Train one configuration; return (mean test accuracy, bytes/step/rank, seconds)."""
+    rank, size = gossamer.rank(), gossamer.size()
+    (images, labels), (test_images, test_labels) = data
+    shard_images, shard_labels = images[rank::size], labels[rank::size]
+    model = make_model(args.seed)
+    if options.get("qat"):
+        compression.quantize_model(model)
+    base = torch.optim.Adam(model.parameters(), lr=args.lr)
+    spec = options.get("compression")
+    if options["optimizer"] == "allreduce":
+        extra = {"compression": spec, "error_feedback": True} if spec else {}
+        opt = optim.GradientAllreduce(base, model, **extra)
+    else:
+        opt = optim.AdaptWithCombine(
+            base, model, topology=topo.exponential_two(size), compression=spec
+        )
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(base, args.steps)
+    loss_fn = nn.CrossEntropyLoss()
+    gossamer.barrier()
+    profiling.reset_bytes_sent()
+    start = time.perf_counter()
+    per_epoch = len(shard_labels) // args.batch_size
+    for step in range(args.steps):
+        epoch, k = divmod(step, per_epoch)
+        if k == 0:
+            generator = torch.Generator().manual_seed(args.seed * 10_000 + epoch * 100 + rank)
+            order = torch.randperm(len(shard_labels), generator=generator)
+        batch = order[k * args.batch_size : (k + 1) * args.batch_size]
+        opt.zero_grad()
+        loss_fn(model(shard_images[batch]), shard_labels[batch]).backward()
+        opt.step()
+        schedule.step()
+    opt.synchronize()
+    seconds = time.perf_counter() - start
+    sent = profiling.bytes_sent() / args.steps
+    opt.close()
+    acc = accuracy(model, test_images, test_labels)
+    mean = gossamer.allreduce(torch.tensor([acc, sent], dtype=torch.float64))
+    return float(mean[0]), float(mean[1]), seconds
+
+
+def table(results: list[dict], steps: int, size: int) -> str:
+    """The markdown table: accuracy, its difference to the row's baseline, bytes."""
+    base = {r["name"]: r for r in results if r["name"] in ("allreduce", "gossip")}
+    lines = [
+        f"| configuration ({size} ranks, {steps} steps) | test accuracy % | vs baseline "
+        "(points) | bytes / step / rank | vs baseline |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        ref = base["gossip" if r["optimizer"] == "gossip" else "allreduce"]
+        lines.append(
+            f"| {r['name']} | {100 * r['accuracy']:.2f} | "
+            f"{100 * (r['accuracy'] - ref['accuracy']):+.2f} | {r['bytes']:,.0f} | "
+            f"{r['bytes'] / ref['bytes']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="training steps per run")
+    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam (cosine decay to 0)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compressors", nargs="*", default=list(COMPRESSORS), help="compressor specs to run"
+    )
+    parser.add_argument("--no-gossip", action="store_true", help="skip the gossip and QAT rows")
+    parser.add_argument("--name", default="compression_accuracy", help="results file stem")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    args = parser.parse_args()
+    gossamer.init()
+    torch.manual_seed(args.seed)
+    data = split(*load_digits(), 0.2, args.seed)
+    results = []
+    for name, options in configurations(args.compressors, not args.no_gossip):
+        acc, sent, seconds = train(options, data, args)
+        results.append(
+            {"name": name, **options, "accuracy": acc, "bytes": sent, "seconds": seconds}
+        )
+        if gossamer.rank() == 0:
+            print(f"{name:32s} acc {100 * acc:6.2f} %  {sent:12,.0f} B/step  {seconds:6.1f} s")
+    if gossamer.rank() == 0:
+        text = table(results, args.steps, gossamer.size())
+        print(text)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.name}.md").write_text(text + "\n")
+        (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
+    gossamer.shutdown()
+
+
+if __name__ == "__main__":
+    main()
