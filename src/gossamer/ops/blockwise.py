@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from gossamer import transport
-from gossamer.profiling import count_collective, count_sent
 from gossamer.errors import PeerError
 from gossamer.ops._common import (
     SUM_DTYPES,
@@ -26,6 +25,7 @@ from gossamer.ops._common import (
     torch_op,
     widen,
 )
+from gossamer.profiling import count_collective, count_sent
 from gossamer.transport import (
     DTYPES,
     Handle,

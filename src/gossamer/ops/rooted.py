@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from gossamer import transport
-from gossamer.profiling import count_collective
 from gossamer.ops._common import (
     SUM_DTYPES,
     check_reduce_op,
@@ -24,6 +23,7 @@ from gossamer.ops._common import (
     torch_op,
     widen,
 )
+from gossamer.profiling import count_collective
 from gossamer.transport import (
     DTYPES,
     Handle,
