@@ -34,7 +34,8 @@ def _put_bytes(spec):
         win.put(compression=spec)
         sent = profiling.bytes_sent("window.put")
         gossamer.barrier()
-        received = win.buffers()
+        received = {src: b.clone() for src, b in win.buffers().items()}
+        gossamer.barrier()  # no peer accumulates into a slot before it has been read
         profiling.reset_bytes_sent()
         win.accumulate(compression=spec)
         accumulated = profiling.bytes_sent("window.accumulate")
