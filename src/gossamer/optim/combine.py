@@ -15,10 +15,12 @@ With a constant step size both settle at an :math:`O(\eta)` distance from the op
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
 
+from gossamer import transport
 from gossamer.optim.base import DecentralizedOptimizer
 
 __all__ = ["AdaptThenCombine", "AdaptWithCombine"]
@@ -88,6 +90,12 @@ class AdaptThenCombine(DecentralizedOptimizer):
     and the ranks converge to the exact optimum of :math:`\sum_i f_i` with a constant step
     size. It needs a doubly stochastic :math:`W` and communication at every step.
 
+    With ``elastic=True`` the correction restarts (:math:`\psi_{k-1} := x_k`, as at the
+    first step) on every survivor in the same round after a death, the epoch's *settled
+    round* (:mod:`gossamer.transport.membership`): the correction carries a dual variable
+    whose sum over the ranks must be zero, and the dead rank took its share with it. The
+    survivors then converge to the exact optimum of :math:`\sum_{i \text{ alive}} f_i`.
+
     Example:
         >>> opt = AdaptThenCombine(torch.optim.Adam(model.parameters()), model)
         >>> loss_fn(model(x), y).backward()
@@ -105,6 +113,7 @@ class AdaptThenCombine(DecentralizedOptimizer):
             raise ValueError("exact_diffusion needs num_steps_per_communication=1")
         self.exact_diffusion = exact_diffusion
         self._psi_prev: dict[int, torch.Tensor] = {}
+        self._restarted_epoch = 0
         self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in self.models]
 
     def _before_forward(self, module, inputs) -> None:
@@ -127,6 +136,22 @@ class AdaptThenCombine(DecentralizedOptimizer):
                 )
         super()._load_comm_state(state)
         self._psi_prev = {i: t.clone() for i, t in psi.items()}
+
+    def _restart_after_death(self) -> None:
+        """Restart exact diffusion's correction in the settled round of a new epoch."""
+        membership = transport.get_membership()
+        due = membership.settled_round
+        if membership.epoch <= self._restarted_epoch or self.communicator.rounds < due:
+            return
+        if self.communicator.rounds > due:
+            warnings.warn(
+                f"exact diffusion restarts at round {self.communicator.rounds}, after the "
+                f"settled round {due} of membership epoch {membership.epoch}: the survivors "
+                "restart in different rounds and converge near, not at, their optimum",
+                stacklevel=3,
+            )
+        self._psi_prev = {}
+        self._restarted_epoch = membership.epoch
 
     def _step_only(self, params: Iterable[torch.Tensor], closure=None):
         """The wrapped optimizer's step restricted to ``params`` (its own update rule)."""
@@ -153,6 +178,8 @@ class AdaptThenCombine(DecentralizedOptimizer):
             )
         else:
             self.communicator.next_round()
+            if self.exact_diffusion and getattr(self.communicator, "elastic", False):
+                self._restart_after_death()
             loss = None
             for index, bucket in enumerate(self.buckets):
                 x = bucket.pack().clone() if self.exact_diffusion else None
