@@ -19,26 +19,46 @@ import torch
 import gossamer
 from gossamer.optim import AdaptThenCombine, AdaptWithCombine
 from gossamer.testing import run_distributed
-from gossamer.topology import drop_dead, exponential_two, one_peer_exponential, ring
+from gossamer.topology import (
+    drop_dead,
+    exponential_two,
+    metropolis_hastings_weights,
+    one_peer_exponential,
+    ring,
+)
 from problems import least_squares_data, least_squares_loss, linear_model
 
 WORLD, VICTIM, KILL_STEP = 4, 2, 6
 
 
+def _graph(kind, world):
+    """ring(n), or ("chord") ring(n) plus the edge 1 -- 3 with Metropolis-Hastings weights.
+
+    In the chorded graph rank 1 has degree 3 until rank 2 dies, so rank 0, which is not a
+    neighbour of rank 2, changes its weight on rank 1 (1/4 -> 1/3) when it learns of the
+    death: the round in which it learns shows in its parameters.
+    """
+    if kind == "ring":
+        return ring(world)
+    adj = ring(world).adjacency.copy()
+    adj[1, 3] = adj[3, 1] = True
+    return metropolis_hastings_weights(adj)
+
+
 def _train(kind, steps, lr, elastic):
     """Train on this rank's least-squares share; the victim kills itself at KILL_STEP."""
-    rank = gossamer.rank()
+    rank, world = gossamer.rank(), gossamer.size()
     A, b = least_squares_data(rank)
     model = linear_model()
     sgd = torch.optim.SGD(model.parameters(), lr=lr)
-    if kind == "ring":
-        opt = AdaptWithCombine(sgd, model, topology=ring(WORLD), elastic=elastic)
+    if kind in ("ring", "chord"):
+        opt = AdaptWithCombine(sgd, model, topology=_graph(kind, world), elastic=elastic)
     elif kind == "one_peer":
-        schedule = one_peer_exponential(exponential_two(WORLD), rank)
+        schedule = one_peer_exponential(exponential_two(world), rank)
         opt = AdaptWithCombine(sgd, model, schedule=schedule, elastic=elastic)
     else:  # exact diffusion: reaches the survivors' optimum with a constant step
         opt = AdaptThenCombine(
-            sgd, model, topology=ring(WORLD), exact_diffusion=True, elastic=elastic
+            sgd, model, topology=ring(world), exact_diffusion=True, elastic=elastic
         )
     changes = []
     gossamer.on_membership_change(lambda c: changes.append((c.epoch, c.live, c.lost)))
@@ -62,35 +82,36 @@ def _grad(x, rank):
     return A.T @ (A @ x - b) / len(b)
 
 
-def _simulate_awc(kind, steps, lr):
+def _simulate_awc(kind, steps, lr, world):
     """AWC on every rank in one process: x <- W_t x - lr * grad(x), dead rank frozen.
 
-    ring: static ring(4) with uniform weights; after the kill, a rank uses
-    ``ring(4).without([2])`` (Metropolis-Hastings) from the round in which it knows: the dead
-    rank's neighbours in the round of the kill, the others one round after a neighbour knew.
+    ring, chord: a static graph; after the kill, a rank uses ``graph.without([2])``
+    (Metropolis-Hastings) from the round in which it knows: the dead rank's neighbours in
+    the round of the kill, the others one round after a neighbour knew (on ring(6): ranks 1
+    and 3, then 0 and 4, then 5).
     one_peer: ``drop_dead`` of each rank's step from the kill on (a step that does not touch
     the dead rank is unchanged, so when a rank learns does not matter).
     """
     dead = {VICTIM}
-    x = np.zeros((WORLD, 5))
-    old = ring(WORLD)
+    x = np.zeros((world, 5))
+    old = _graph(kind if kind != "one_peer" else "ring", world)
     new = old.without([VICTIM])
-    schedules = [one_peer_exponential(exponential_two(WORLD), r) for r in range(WORLD)]
+    schedules = [one_peer_exponential(exponential_two(world), r) for r in range(world)]
     knows = set()
     out = []
     for step in range(steps):
         after = step >= KILL_STEP
-        if kind == "ring" and after:
+        if kind != "one_peer" and after:
             # headers of this round carry what the senders knew at its start
-            heard = {r for r in range(WORLD) if any(s in knows for s in old.in_neighbors(r))}
-            touches = {r for r in range(WORLD) if VICTIM in old.in_neighbors(r)}
+            heard = {r for r in range(world) if any(s in knows for s in old.in_neighbors(r))}
+            touches = {r for r in range(world) if VICTIM in old.in_neighbors(r)}
             knows = knows | heard | touches
         steps_now = [next(s) for s in schedules]
         mixed = x.copy()
-        for r in range(WORLD):
+        for r in range(world):
             if after and r in dead:
                 continue
-            if kind == "ring":
+            if kind != "one_peer":
                 graph = new if r in knows else old
                 self_weight, weights = graph.recv_weights(r)
             else:
@@ -100,7 +121,7 @@ def _simulate_awc(kind, steps, lr):
             mixed[r] -= lr * _grad(x[r], r)
         x = mixed
         out.append(x.copy())
-    return np.stack(out)  # (steps, WORLD, 5)
+    return np.stack(out)  # (steps, world, 5)
 
 
 def _survivors_optimum():
@@ -110,21 +131,20 @@ def _survivors_optimum():
     return np.linalg.lstsq(A, b, rcond=None)[0]
 
 
-@pytest.mark.parametrize("kind", ["ring", "one_peer"])
-def test_elastic_awc_survivors_follow_the_simulation(kind):
+@pytest.mark.parametrize(("kind", "world"), [("ring", 4), ("one_peer", 4), ("chord", 6)])
+def test_elastic_awc_survivors_follow_the_simulation(kind, world):
     steps, lr = 30, 0.1
     results = run_distributed(
-        _train, WORLD, args=(kind, steps, lr, True), dies=[VICTIM], timeout=120
+        _train, world, args=(kind, steps, lr, True), dies=[VICTIM], timeout=120
     )
     assert results[VICTIM] is None  # it died
-    want = _simulate_awc(kind, steps, lr)
-    for r in range(WORLD):
-        if r == VICTIM:
-            continue
+    want = _simulate_awc(kind, steps, lr, world)
+    live = tuple(r for r in range(world) if r != VICTIM)
+    for r in live:
         got = results[r]
         assert "error" not in got, got
-        assert got["live"] == [0, 1, 3]
-        assert got["changes"] == [(1, (0, 1, 3), (VICTIM,))]
+        assert got["live"] == list(live)
+        assert got["changes"] == [(1, live, (VICTIM,))]
         np.testing.assert_allclose(got["trace"].numpy(), want[:, r], rtol=1e-9, atol=1e-12)
 
 
