@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ pr
         set_machine_topology,
         set_topology,
     )
+    from gossamer.transport import live_ranks, on_membership_change
     from gossamer.windows import Window, live_windows
 
 __version__ = "0.1.0"
@@ -127,6 +128,7 @@ _SOURCES: dict[str, str] = {
         ],
         "gossamer.ops",
     ),
+    **dict.fromkeys(["live_ranks", "on_membership_change"], "gossamer.transport"),
     **dict.fromkeys(["Window", "live_windows"], "gossamer.windows"),
 }
 
@@ -157,6 +159,7 @@ __all__ = [
     "init",
     "is_homogeneous",
     "is_initialized",
+    "live_ranks",
     "live_windows",
     "local_allreduce",
     "local_rank",
@@ -165,6 +168,7 @@ __all__ = [
     "machine_size",
     "neighbor_allgather",
     "neighbor_allreduce",
+    "on_membership_change",
     "pair_gossip",
     "rank",
     "recv",

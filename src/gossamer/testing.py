@@ -22,7 +22,7 @@ import tempfile
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -145,11 +145,13 @@ class RankPool:
         kwargs: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float = 60.0,
+        dies: Collection[int] = (),
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
 
         ``env`` holds variables set on every rank for this call (gossamer is re-initialized
-        when they change, e.g. ``{"GOSSAMER_NODES_PER_MACHINE": "2"}``).
+        when they change, e.g. ``{"GOSSAMER_NODES_PER_MACHINE": "2"}``). A rank in ``dies``
+        may die during the call (a test that kills it): its result is None, not an error.
 
         Raises:
             RankError: a rank raised, died, or did not finish within ``timeout`` seconds; the
@@ -167,9 +169,9 @@ class RankPool:
             ) from err
         for conn in self._conns:
             conn.send(task)
-        return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout)
+        return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout, set(dies))
 
-    def _collect(self, what: str, timeout: float) -> list[Any]:
+    def _collect(self, what: str, timeout: float, dies: Collection[int] = ()) -> list[Any]:
         results: list[Any] = [None] * self.world_size
         reports: dict[int, str] = {}
         pending = dict(enumerate(self._conns))
@@ -187,6 +189,8 @@ class RankPool:
                     status, payload = conn.recv()
                 except (EOFError, OSError):
                     self._procs[rank].join(1.0)
+                    if rank in dies:
+                        continue  # an expected death: result None
                     status = "error"
                     payload = f"rank {rank} died (exit code {self._procs[rank].exitcode})"
                 if status == "ok":
@@ -270,6 +274,7 @@ def run_distributed(
     kwargs: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float = 60.0,
+    dies: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results in order.
 
@@ -284,6 +289,9 @@ def run_distributed(
         env (Mapping[str, str], optional): variables set on every rank for this call;
             gossamer is re-initialized when they differ from the previous call's.
         timeout (float): seconds before the call fails and the pool is killed.
+        dies (Collection[int]): ranks that may die during the call (fault tests kill
+            them): their result is None. The call runs on fresh ranks, outside the pool,
+            which are stopped afterwards (a world with a dead rank cannot be reused).
 
     Returns:
         list: ``fn``'s return value on rank 0, 1, ...
@@ -297,7 +305,16 @@ def run_distributed(
     """
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
-    return _pool(world_size).run(fn, args, kwargs, env, timeout)
+    dies = set(dies)
+    if not dies <= set(range(world_size)):
+        raise ValueError(f"dies must be ranks in [0, {world_size}); got {sorted(dies)}")
+    if not dies:
+        return _pool(world_size).run(fn, args, kwargs, env, timeout)
+    pool = RankPool(world_size)
+    try:
+        return pool.run(fn, args, kwargs, env, timeout, dies)
+    finally:
+        pool.close(force=True)
 
 
 def close_pools() -> None:

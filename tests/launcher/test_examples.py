@@ -232,3 +232,20 @@ def test_synthetic_benchmark_runs_as_a_world_of_one():
     assert len(iters) == 2
     total = re.search(rf"Total img/sec on 1 rank\(s\): {FLOAT} \+- {FLOAT}", out)
     assert total and float(total.group(1)) > 0, out
+
+
+@pytest.mark.slow
+def test_elastic_digits_survivors_train_on_after_a_kill(tmp_path):
+    out = _python(EXAMPLES / "elastic_digits.py", "--epochs", "3", "--out", tmp_path, timeout=400)
+    assert re.search(r"rank 2 was killed at step \d+", out), out
+    survivors = re.findall(
+        rf"rank (\d): learned of the death {FLOAT} s after the kill; next completed step "
+        rf"{FLOAT} s after the kill",
+        out,
+    )
+    assert [int(r) for r, _, _ in survivors] == [0, 1, 3], out
+    # the survivors learn through heartbeats (3 s), well before the deadline (300 s)
+    assert all(0 < float(learned) < 60 for _, learned, _ in survivors), out
+    final = float(re.search(rf"mean over the 3 survivors: {FLOAT}%", out).group(1))
+    assert final > 80.0, out
+    assert (tmp_path / "elastic_digits.png").stat().st_size > 0

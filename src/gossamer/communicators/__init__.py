@@ -91,6 +91,7 @@ def make(
     global_average_every: int | None = None,
     compression: str | Compressor | None = None,
     error_feedback: bool | None = None,
+    elastic: bool = False,
 ) -> Communicator:
     """The communicator that ``communication`` names, built from the optimizer options.
 
@@ -101,9 +102,13 @@ def make(
     :class:`ChocoGossip` and ``allreduce`` :class:`CompressedAllreduce` (``error_feedback``
     applies to the latter; CHOCO's public copies already compensate the error).
 
+    ``elastic=True`` (neighbour averaging only, uncompressed) makes rounds outlive dead
+    peers (:class:`NeighborAllreduce`).
+
     Raises:
-        ValueError: an unknown name, both ``topology`` and ``schedule``, or compression with
-            a communication that has no compressed form.
+        ValueError: an unknown name, both ``topology`` and ``schedule``, compression with
+            a communication that has no compressed form, or ``elastic`` with a pattern
+            other than uncompressed ``"neighbor_allreduce"``.
         TypeError: a ``topology`` or ``schedule`` of the wrong type.
     """
     if communication not in COMMUNICATIONS:
@@ -116,6 +121,14 @@ def make(
         raise ValueError("give topology or schedule, not both")
     every = {"global_average_every": global_average_every}
     compressor = get_compressor(compression)
+    if not isinstance(elastic, bool):
+        raise TypeError(f"elastic must be a bool; got {elastic!r}")
+    if elastic and (communication != "neighbor_allreduce" or compressor.name != "none"):
+        raise ValueError(
+            f"elastic=True is built for uncompressed 'neighbor_allreduce' only; got "
+            f"communication={communication!r}, compression={compressor.name!r} (collective "
+            "patterns cannot outlive a rank: they raise RankLostError)"
+        )
     if error_feedback is not None and compressor.name == "none":
         raise ValueError(f"error_feedback={error_feedback!r} needs a compression; got none")
     if compressor.name != "none":
@@ -128,7 +141,7 @@ def make(
             f"{communication!r}; use 'neighbor_allreduce' (CHOCO) or 'allreduce'"
         )
     if communication == "neighbor_allreduce":
-        return NeighborAllreduce(topology, schedule=schedule, **every)
+        return NeighborAllreduce(topology, schedule=schedule, elastic=elastic, **every)
     if communication == "nonlinear_gossip":
         return NonlinearGossip(topology, schedule=schedule, **every)
     if communication == "hierarchical_neighbor_allreduce":

@@ -1,4 +1,8 @@
-"""Neighbour averaging patterns: over a static graph, a dynamic schedule, or machines."""
+"""Neighbour averaging patterns: over a static graph, a dynamic schedule, or machines.
+
+With ``elastic=True``, :class:`NeighborAllreduce` outlives its peers: see
+:class:`ElasticRound` and docs/fault-tolerance.md.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,14 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from gossamer import context, ops
+from gossamer import context, ops, transport
+from gossamer.combine import scaled_copies, weighted_sum
 from gossamer.communicators.base import Communicator, Pending
-from gossamer.errors import TopologyError
+from gossamer.errors import PeerError, TopologyError
 from gossamer.fusion import Bucket
-from gossamer.topology import Step, Topology
+from gossamer.topology import Step, Topology, drop_dead
 
-__all__ = ["HierarchicalNeighborAllreduce", "NeighborAllreduce"]
+__all__ = ["ElasticRound", "HierarchicalNeighborAllreduce", "NeighborAllreduce"]
 
 
 class Scheduled(Communicator):
@@ -68,6 +73,9 @@ class NeighborAllreduce(Scheduled):
         schedule (Iterator[Step], optional): a dynamic topology; each round takes the next
             step's peers and weights (e.g. ``one_peer_exponential(g, rank)``).
         global_average_every (int, optional): every K-th round is a global average.
+        elastic (bool): survive dead peers: a round whose peer died completes with the
+            survivors (see :class:`ElasticRound`); later rounds use the topology without the
+            dead ranks (``Topology.without``) or the step without them (``drop_dead``).
 
     Attributes:
         self_weight, src_weights, dst_weights: explicit weights for the next rounds (as
@@ -83,8 +91,12 @@ class NeighborAllreduce(Scheduled):
         *,
         schedule: Iterator[Step] | None = None,
         global_average_every: int | None = None,
+        elastic: bool = False,
     ) -> None:
         super().__init__(schedule=schedule, global_average_every=global_average_every)
+        if not isinstance(elastic, bool):
+            raise TypeError(f"elastic must be a bool; got {elastic!r}")
+        self.elastic = elastic
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a gossamer Topology; got {topology!r}")
         if topology is not None and schedule is not None:
@@ -108,6 +120,13 @@ class NeighborAllreduce(Scheduled):
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         explicit = (self.self_weight, self.src_weights, self.dst_weights)
+        if self.elastic:
+            if any(w is not None for w in explicit):
+                raise ValueError(
+                    "elastic=True takes its weights from the topology or the schedule; "
+                    "explicit self_weight/src_weights/dst_weights are not re-weighted"
+                )
+            return ElasticRound(self.topology, self.step, self.rounds).start(flat)
         if any(w is not None for w in explicit):
             return ops.neighbor_allreduce(
                 flat,
@@ -126,6 +145,101 @@ class NeighborAllreduce(Scheduled):
             dst_weights=self.step.dst_weights,
             async_op=True,
         )
+
+
+# (id of the topology, dead set) -> (the topology, kept alive for its id; the result)
+_WITHOUT_CACHE: dict[tuple[int, frozenset[int]], tuple[Topology, Topology]] = {}
+
+
+def _without(topology: Topology, dead: frozenset[int]) -> Topology:
+    """``topology.without(dead)``, computed once per (topology object, dead set)."""
+    key = (id(topology), dead)
+    found = _WITHOUT_CACHE.get(key)
+    if found is None or found[0] is not topology:
+        if len(_WITHOUT_CACHE) > 64:
+            _WITHOUT_CACHE.clear()
+        found = _WITHOUT_CACHE[key] = (topology, topology.without(sorted(dead)))
+    return found[1]
+
+
+class ElasticRound:
+    r"""One neighbour-averaging round that completes when peers die.
+
+    The round is planned with the dead set this rank knows when it starts: the topology
+    without the dead ranks (``Topology.without``: Metropolis-Hastings on undirected
+    doubly stochastic graphs, Sinkhorn on directed ones) or this rank's step without them
+    (:func:`~gossamer.topology.drop_dead`). Its header carries this rank's membership epoch.
+    Then :func:`~gossamer.transport.exchange_surviving` delivers every survivor's message;
+
+    - a peer whose transfer failed and whose heartbeat stopped is reported dead
+      (:meth:`~gossamer.transport.Membership.report`: the survivors agree on a new epoch
+      through the store);
+    - a header with a newer epoch than this rank's makes it adopt that epoch.
+
+    The combine then uses the weights of the newest dead set known *after* the exchange,
+    over the values that arrived. Removing dead ranks keeps every survivor-to-survivor
+    edge, so every source of the new weights has delivered: **the failed round is not
+    retried nor skipped; it is completed with the survivors' weights**. A rank learns of a
+    death in the round where one of its peers is the dead rank, or one round after a peer
+    learned of it (through the epoch in that peer's next header). Which weights each rank
+    uses in each round is therefore fixed by the graph and the round of the death, not by
+    timing; during the rounds the news takes to spread, ranks that have not heard use the
+    old weights, which is not doubly stochastic on the survivors for those rounds.
+    """
+
+    op = "neighbor_allreduce"
+
+    def __init__(self, topology: Topology | None, step: Step | None, round: int = -1) -> None:
+        self.topology = topology
+        self.step = step
+        self.round = round
+        self.membership = transport.get_membership()
+
+    def plan(self, dead: frozenset[int]) -> tuple[float, dict[int, float], list[int], dict]:
+        """``(self weight, receive weights, sources, destination scales)`` without ``dead``."""
+        if self.step is not None:
+            step = drop_dead(self.step, dead) if dead else self.step
+            sources = list(step.recv_ranks)
+            return step.self_weight, dict(step.src_weights), sources, dict(step.dst_weights)
+        graph = self.topology if self.topology is not None else ops.get_topology()
+        if dead:
+            graph = _without(graph, dead)
+        me = context.rank()
+        self_weight, weights = graph.recv_weights(me)
+        sources = list(graph.in_neighbors(me))
+        return self_weight, dict(weights), sources, dict.fromkeys(graph.out_neighbors(me), 1.0)
+
+    def start(self, flat: torch.Tensor) -> Pending:
+        """Queue the round on the communication thread; ``wait()`` gives the new value."""
+        membership = self.membership
+        live = transport.get_liveness()
+        if live is not None and live.lost - membership.dead:
+            membership.report(live.lost, self.round)  # the heartbeats already showed a death
+        dead, epoch = membership.dead, membership.epoch
+        _, _, sources, dsts = self.plan(dead)
+
+        def body() -> torch.Tensor:
+            x = flat.contiguous()
+            got = transport.exchange_surviving(
+                self.op, x, scaled_copies(x, dsts), sources, epoch=epoch
+            )
+            if got.lost:
+                membership.report(got.lost, self.round)
+            if got.epoch > membership.epoch:
+                membership.catch_up(got.epoch)
+            self_weight, weights, now_sources, _ = self.plan(membership.dead)
+            missing = [s for s in now_sources if s not in got.received]
+            if missing:
+                raise PeerError(
+                    f"{self.op}: rank {context.rank()} has no value from {missing} for the "
+                    f"combine at epoch {membership.epoch} (were the survivors disconnected?)"
+                )
+            received = {s: got.received[s] for s in now_sources}
+            return weighted_sum(x, self_weight, received, weights)
+
+        # No peers for the engine to fail it on: the round deals with dead peers itself
+        # (a watchdog failing it while it confirms a death would leave its peers waiting).
+        return transport.submit(self.op, body, peers=())
 
 
 class HierarchicalNeighborAllreduce(Scheduled):

@@ -45,6 +45,10 @@ class DecentralizedOptimizer:
         compression (str | Compressor, optional): compress what travels: neighbour
             averaging becomes CHOCO-gossip, ``allreduce`` a compressed allreduce (see
             :func:`gossamer.communicators.make`); error_feedback: for the latter.
+        elastic (bool): train on when neighbours die: rounds complete with the survivors
+            and later rounds leave the dead out (neighbour averaging only; see
+            :class:`gossamer.communicators.NeighborAllreduce` and docs/fault-tolerance.md).
+            Default False: a dead rank makes every survivor raise ``RankLostError``.
         num_steps_per_communication (int): communicate once every this many steps.
         fusion_threshold_bytes (int | None): bucket size; ``None`` or 0 sends every tensor
             on its own.
@@ -62,6 +66,7 @@ class DecentralizedOptimizer:
         global_average_every: int | None = None,
         compression: str | Compressor | None = None,
         error_feedback: bool | None = None,
+        elastic: bool = False,
         num_steps_per_communication: int = 1,
         fusion_threshold_bytes: int | None = DEFAULT_FUSION_BYTES,
     ) -> None:
@@ -107,6 +112,8 @@ class DecentralizedOptimizer:
             "global_average_every": global_average_every,
             "compression": compression,
             "error_feedback": error_feedback,
+            # None unless asked for, so that communicator= with elastic=True is a clash
+            "elastic": elastic or None,
         }
         self.communicator = _communicator(communicator, options)
         self.communicator.bind(self.buckets)
@@ -235,6 +242,8 @@ def _communicator(communicator: object, options: dict) -> Communicator:
     if communicator is None:
         # Only None means the default: "" is an unknown name, not a request for it.
         name = options.pop("communication")
+        if not isinstance(options["elastic"], bool):
+            raise TypeError(f"elastic must be a bool; got {options['elastic']!r}")
         return make("neighbor_allreduce" if name is None else name, **options)
     if not isinstance(communicator, Communicator):
         raise TypeError(

@@ -17,10 +17,12 @@ With a constant step size both settle at an :math:`O(\eta)` distance from the op
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Container
 
 import torch
 
+from gossamer import transport
 from gossamer.optim.base import DecentralizedOptimizer
 from gossamer.optim.overlap import BucketwiseOptimizer, module_buckets
 from gossamer.profiling import timeline
@@ -116,6 +118,12 @@ class AdaptThenCombine(BucketwiseOptimizer):
     and the ranks converge to the exact optimum of :math:`\sum_i f_i` with a constant step
     size. It needs a doubly stochastic :math:`W` and communication at every step.
 
+    With ``elastic=True`` the correction restarts (:math:`\psi_{k-1} := x_k`, as at the
+    first step) on every survivor in the same round after a death, the epoch's *settled
+    round* (:mod:`gossamer.transport.membership`): the correction carries a dual variable
+    whose sum over the ranks must be zero, and the dead rank took its share with it. The
+    survivors then converge to the exact optimum of :math:`\sum_{i \text{ alive}} f_i`.
+
     Args:
         optimizer, model: as for every decentralized optimizer.
         exact_diffusion (bool): add the exact-diffusion correction.
@@ -151,6 +159,7 @@ class AdaptThenCombine(BucketwiseOptimizer):
             module.register_forward_pre_hook(functools.partial(self._before_forward, max(indices)))
             for module, indices in module_buckets(self.models, self.buckets)
         ]
+        self._restarted_epoch = 0
 
     # ------------------------------------------------------------------ hooks
     def _before_forward(self, last: int, module, inputs) -> None:
@@ -164,6 +173,9 @@ class AdaptThenCombine(BucketwiseOptimizer):
         """The wrapped optimizer's step on bucket ``index``; what to send, and its finish."""
         bucket = self.buckets[index]
         self._finish((index,))  # the previous combine of this bucket lands first
+        first = self._queued == 0 and not self._ready  # this step's first local step
+        if first and self.exact_diffusion and getattr(self.communicator, "elastic", False):
+            self._restart_after_death(self.communicator.rounds + 1)
         with timeline.activity(_ROW, "local step"):
             x = bucket.pack().clone() if self.exact_diffusion else None
             self._step_only(bucket.tensors)
@@ -209,6 +221,22 @@ class AdaptThenCombine(BucketwiseOptimizer):
                 )
         super()._load_comm_state(state)
         self._psi_prev = {i: t.clone() for i, t in psi.items()}
+
+    def _restart_after_death(self, upcoming: int) -> None:
+        """Restart exact diffusion's correction if round ``upcoming`` is an epoch's settled one."""
+        membership = transport.get_membership()
+        due = membership.settled_round
+        if membership.epoch <= self._restarted_epoch or upcoming < due:
+            return
+        if upcoming > due:
+            warnings.warn(
+                f"exact diffusion restarts at round {upcoming}, after the "
+                f"settled round {due} of membership epoch {membership.epoch}: the survivors "
+                "restart in different rounds and converge near, not at, their optimum",
+                stacklevel=3,
+            )
+        self._psi_prev = {}
+        self._restarted_epoch = membership.epoch
 
     def step(self, closure=None):
         """Finish the step: on communication steps, step and queue the buckets left.

@@ -52,6 +52,12 @@ class _OverWindows:
                 "(an error-feedback residual holds back mass, which push-sum must conserve); "
                 "use WindowPut, or AdaptWithCombine with compression= (CHOCO-gossip)"
             )
+        if kwargs.pop("elastic", False):
+            raise ValueError(
+                f"{type(self).__name__}: elastic=True is not built for window optimizers "
+                "(window creation and free are collective over every rank); use "
+                "AdaptWithCombine or AdaptThenCombine with elastic=True"
+            )
         if communication not in (None, "neighbor_allreduce"):
             raise ValueError(
                 f"{type(self).__name__} communicates through windows; communication must be "

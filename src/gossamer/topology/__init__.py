@@ -21,7 +21,7 @@ from gossamer.topology.graphs import (
     symmetric_exponential,
 )
 from gossamer.topology.skew import PeerClumping, peer_clumping
-from gossamer.topology.skip import SKIP_MODES, skip_dead
+from gossamer.topology.skip import SKIP_MODES, drop_dead, skip_dead
 from gossamer.topology.survivors import WEIGHT_RULES, connected_components
 from gossamer.topology.topology import Topology
 from gossamer.topology.weights import (
@@ -46,6 +46,7 @@ __all__ = [
     "connected_components",
     "d_cliques",
     "draw",
+    "drop_dead",
     "exponential",
     "exponential_two",
     "fully_connected",

@@ -25,7 +25,7 @@ from gossamer.topology.dynamic import Step
 from gossamer.topology.survivors import dead_set
 from gossamer.topology.topology import check_int, check_rank
 
-__all__ = ["SKIP_MODES", "skip_dead"]
+__all__ = ["SKIP_MODES", "drop_dead", "skip_dead"]
 
 #: the policies of :func:`skip_dead` for a survivor whose scheduled peer is dead
 SKIP_MODES = ("bridge", "keep")
@@ -126,6 +126,23 @@ def _kept(step: Step, dead: frozenset[int]) -> Step:
         {r: step.src_weights[r] / total for r in recv},
         {d: step.dst_weights[d] for d in send},
     )
+
+
+def drop_dead(step: Step, dead: Collection[int]) -> Step:
+    """``step`` with the ranks in ``dead`` removed, as ``skip_dead(..., mode="keep")`` does.
+
+    Needs only this rank's own step: dead ranks leave the send and receive lists and the
+    remaining receive weights (self weight included) are scaled to sum 1; with no weight
+    left the rank keeps its value (self weight 1). Every survivor-to-survivor edge of the
+    step is kept, so a rank whose step touches no dead rank gets its step back unchanged.
+
+    Example:
+        >>> drop_dead(Step((2,), (2,), 0.5, {2: 0.5}, {2: 1.0}), {2}).self_weight
+        1.0
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"step must be a topology.Step; got {step!r}")
+    return _kept(step, frozenset(dead))
 
 
 def _skipping(

@@ -4,7 +4,8 @@ One communication thread per process (:mod:`~gossamer.transport.engine`), one ca
 (:mod:`~gossamer.transport.header`), payloads as raw bytes
 (:mod:`~gossamer.transport.payload`), point-to-point exchanges in chunks with same-call
 checks (:mod:`~gossamer.transport.p2p`), errors that name the peer or the dead rank
-(:mod:`~gossamer.transport.failures`, :mod:`~gossamer.transport.liveness`), argument
+(:mod:`~gossamer.transport.failures`, :mod:`~gossamer.transport.liveness`), the live set the
+survivors agree on (:mod:`~gossamer.transport.membership`), argument
 checks at the public boundary (:mod:`~gossamer.transport.checks`), and rejected calls that
 peers learn of at once (:mod:`~gossamer.transport.rejection`). ``gossamer.ops`` and
 ``gossamer.windows`` stand on it.
@@ -30,7 +31,21 @@ from gossamer.transport.failures import wait_works
 from gossamer.transport.handle import Handle
 from gossamer.transport.header import DTYPES, HEADER_LEN, OPS, Header
 from gossamer.transport.liveness import get_liveness
-from gossamer.transport.p2p import check_same_call, exchange, exchange_rejected
+from gossamer.transport.membership import (
+    Membership,
+    MembershipChange,
+    get_membership,
+    live_ranks,
+    membership_epoch,
+    on_membership_change,
+)
+from gossamer.transport.p2p import (
+    Survived,
+    check_same_call,
+    exchange,
+    exchange_rejected,
+    exchange_surviving,
+)
 from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
 from gossamer.transport.rejection import gather_reasons, peer_argument_error, reject
 
@@ -45,6 +60,9 @@ __all__ = [
     "OPS",
     "Handle",
     "Header",
+    "Membership",
+    "MembershipChange",
+    "Survived",
     "as_bytes",
     "check_flag",
     "check_rank",
@@ -56,12 +74,17 @@ __all__ = [
     "check_weights",
     "exchange",
     "exchange_rejected",
+    "exchange_surviving",
     "from_bytes",
     "gather_reasons",
     "get_liveness",
+    "get_membership",
     "group_rank",
     "group_size",
+    "live_ranks",
+    "membership_epoch",
     "nbytes_of",
+    "on_membership_change",
     "peer_argument_error",
     "reject",
     "run",

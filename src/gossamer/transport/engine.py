@@ -11,6 +11,10 @@ when it has run for :data:`~gossamer.transport.liveness.STALL_S` and a rank is f
 the operation and every one queued behind it fail with
 :class:`~gossamer.errors.RankLostError` at once, while this thread stays in gloo's wait
 until gloo gives up (the peer's connection closes, or the deadline passes).
+
+An operation submitted with ``peers`` is failed only for the loss of one of those ranks; an
+elastic gossip round passes none (it deals with dead peers itself), so a survivor keeps
+working after a death.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import concurrent.futures
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from gossamer import context
@@ -30,6 +34,13 @@ from gossamer.transport.handle import Handle
 from gossamer.transport.liveness import STALL_S, Liveness, get_liveness
 
 __all__ = ["Engine", "run", "submit"]
+
+Peers = Collection[int] | None  # the global ranks an operation talks to; None: any rank
+
+
+def _relevant(lost: set[int], peers: Peers) -> set[int]:
+    """The lost ranks that ``peers`` (None: every rank) includes."""
+    return set(lost) if peers is None else set(lost).intersection(peers)
 
 
 def _settle(future: concurrent.futures.Future, result: Any = None, error: Any = None) -> None:
@@ -48,7 +59,8 @@ class Engine:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[concurrent.futures.Future, str] = {}  # queued or running: op
+        # queued or running: (op, peers)
+        self._pending: dict[concurrent.futures.Future, tuple[str, Peers]] = {}
         self._current: tuple[concurrent.futures.Future, float] | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="gossamer-comm", daemon=True)
@@ -81,7 +93,9 @@ class Engine:
                 with self._lock:
                     self._pending.pop(future, None)
 
-    def submit(self, op: str, fn: Callable[[], Any], deadline_s: float) -> Handle:
+    def submit(
+        self, op: str, fn: Callable[[], Any], deadline_s: float, peers: Peers = None
+    ) -> Handle:
         """Queue ``fn``; return a handle to its result.
 
         Called from a job already running on the thread (an operation made of operations,
@@ -96,12 +110,15 @@ class Engine:
                 future.set_exception(err)
         else:
             with self._lock:
-                self._pending[future] = op
+                self._pending[future] = (op, peers)
             self._jobs.put((future, timeline.traced(op, fn)))  # "queued" until it runs
         return Handle(future, op, deadline_s)
 
     def fail_if_stalled(self, live: Liveness) -> None:
-        """If the running operation stalled and a rank is lost, fail it and those queued."""
+        """If the running operation stalled on a lost rank, fail it and those queued.
+
+        Operations that name their peers are failed only when one of them is lost.
+        """
         current = self._current
         if current is None or time.monotonic() - current[1] < STALL_S:
             return
@@ -110,8 +127,12 @@ class Engine:
             return
         with self._lock:
             pending = list(self._pending.items())
-        for future, op in pending:
-            _settle(future, error=lost_error(op, lost))
+            running = self._pending.get(current[0])
+        if running is not None and not _relevant(lost, running[1]):
+            return  # the stalled operation waits for live ranks: it will complete
+        for future, (op, peers) in pending:
+            if _relevant(lost, peers):
+                _settle(future, error=lost_error(op, _relevant(lost, peers)))
 
     def close(self) -> None:
         """Let queued operations finish, then end the thread.
@@ -125,7 +146,7 @@ class Engine:
             self._thread.join(timeout=context.timeout() + 5.0)
 
 
-def _guarded(op: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+def _guarded(op: str, fn: Callable[[], Any], peers: Peers = None) -> Callable[[], Any]:
     """``fn``, failing at once after a rank was lost, with backend errors translated.
 
     Posting work (``batch_isend_irecv``, ``all_reduce``) raises gloo's error at once when a
@@ -134,8 +155,9 @@ def _guarded(op: str, fn: Callable[[], Any]) -> Callable[[], Any]:
 
     def guarded() -> Any:
         live = get_liveness()
-        if live is not None and live.lost:
-            raise lost_error(op, live.lost)
+        lost = _relevant(live.lost, peers) if live is not None else set()
+        if lost:
+            raise lost_error(op, lost)
         try:
             return fn()
         except RuntimeError as err:
@@ -146,17 +168,27 @@ def _guarded(op: str, fn: Callable[[], Any]) -> Callable[[], Any]:
     return guarded
 
 
-def submit(op: str, fn: Callable[[], Any]) -> Handle:
+def submit(op: str, fn: Callable[[], Any], *, peers: Peers = None) -> Handle:
     """Queue ``fn`` on this process's communication thread; return a handle to its result.
 
+    Args:
+        op: the operation's name (errors and the timeline show it).
+        fn: what runs on the thread.
+        peers: the global ranks ``fn`` talks to; None (default): any rank, so the loss of
+            any rank fails it. With peers, only the loss of one of them does; an empty
+            collection: ``fn`` deals with lost ranks itself (elastic gossip), nothing fails
+            it early.
+
     Raises:
-        RankLostError: a rank was lost earlier; nothing is queued.
+        RankLostError: a rank (of ``peers``) was lost earlier; nothing is queued.
     """
     runtime = context.runtime()
     live = get_liveness()
-    if live is not None and live.lost:
-        raise lost_error(op, live.lost)
-    return runtime.component("engine", Engine).submit(op, _guarded(op, fn), runtime.timeout)
+    lost = _relevant(live.lost, peers) if live is not None else set()
+    if lost:
+        raise lost_error(op, lost)
+    engine = runtime.component("engine", Engine)
+    return engine.submit(op, _guarded(op, fn, peers), runtime.timeout, peers)
 
 
 def run(op: str, fn: Callable[[], Any], async_op: bool) -> Any:

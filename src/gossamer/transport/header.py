@@ -3,9 +3,10 @@
 Every message that carries data (a neighbour exchange, a window request) is preceded by, or
 is, a header of :data:`HEADER_LEN` int64 values: a magic number, the operation, a sequence
 number, an auxiliary integer (a root rank, a window id), a slot, the payload codec, a float
-value (its bits), the dtype, and the shape. The receiver checks it against its own call and
-sizes its buffer from it, so a peer that called something else produces an error naming
-both sides instead of garbage or a hang. Compressed payloads name their codec here.
+value (its bits), the dtype, the sender's membership epoch
+(:mod:`~gossamer.transport.membership`), and the shape. The receiver checks it against its
+own call and sizes its buffer from it, so a peer that called something else produces an
+error naming both sides instead of garbage or a hang. Compressed payloads name their codec here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ __all__ = ["DTYPES", "HEADER_LEN", "OPS", "Header"]
 
 _MAGIC = 0x605_5A3E
 _MAX_DIMS = 10  # header slots for dims; further dims are folded into one product
-HEADER_LEN = 9 + _MAX_DIMS + 1
+HEADER_LEN = 10 + _MAX_DIMS + 1
 
 DTYPES = (
     torch.float32,
@@ -97,6 +98,9 @@ class Header:
         seq: a sequence number (a request id); aux: an operation's integer (root, window id).
         slot: a secondary integer (a mutex slot); codec: the payload codec (0: raw).
         value: a float that travels with the call (a push-sum weight).
+        epoch: the sender's membership epoch (how many membership changes it has adopted);
+            a receiver that sees a newer one adopts it (elastic gossip). Not part of
+            :meth:`matches`.
     """
 
     op: str
@@ -107,6 +111,7 @@ class Header:
     slot: int = 0
     codec: int = 0
     value: float = 0.0
+    epoch: int = 0
 
     @classmethod
     def of(cls, op: str, tensor: torch.Tensor, **fields: int | float) -> Header:
@@ -132,6 +137,7 @@ class Header:
             _bits(float(self.value)),
             DTYPES.index(self.dtype),
             len(self.shape),
+            self.epoch,
         ]
         values += dims + [-1] * (_MAX_DIMS - len(dims)) + [rest]
         return torch.tensor(values, dtype=torch.int64)
@@ -147,10 +153,11 @@ class Header:
         if v[0] != _MAGIC or not 0 <= v[1] < len(OPS) or not 0 <= v[7] < len(DTYPES):
             raise PeerError(f"received a corrupt call header {v}")
         ndim = v[8]
-        shape = v[9 : 9 + min(ndim, _MAX_DIMS)]
+        shape = v[10 : 10 + min(ndim, _MAX_DIMS)]
         if ndim > _MAX_DIMS:
             shape.append(v[-1])  # folded: only used to size the drain buffer
-        return cls(OPS[v[1]], DTYPES[v[7]], tuple(shape), v[2], v[3], v[4], v[5], _float(v[6]))
+        fields = (v[2], v[3], v[4], v[5], _float(v[6]), v[9])
+        return cls(OPS[v[1]], DTYPES[v[7]], tuple(shape), *fields)
 
     def matches(self, other: Header, any_first_dim: bool = False) -> bool:
         """Same call: operation, aux, codec, dtype and shape (all but dim 0 if asked)."""

@@ -6,13 +6,26 @@ from it, so a peer that called another operation or passed another shape produce
 naming both sides, not garbage or a hang. Headers and data travel on different tags, so a
 stray data message can never be taken for a header. Data travels as raw bytes
 (:mod:`~gossamer.transport.payload`), so every dtype works on every backend.
+
+:func:`exchange_surviving` is the exchange of elastic gossip. Every transfer is waited for
+on its own, so a transfer with a dead peer fails alone, and the data phase still runs with
+every peer whose header arrived: every message between two survivors of the round is
+matched on both sides, whichever of them saw the death. No survivor is then left waiting
+for a message that will never come (which would stall it until the deadline and leave a
+posted receive behind to swallow a later message). A failed transfer is taken as a death
+only once the peer's heartbeat (:mod:`~gossamer.transport.liveness`) has stopped too,
+which takes up to ``DEAD_AFTER_S`` plus a beat. Measured on loopback (4 ranks, gloo,
+torch 2.13): after a SIGKILL, the neighbours' transfers with the dead rank fail within
+0.07 s, and transfers among the survivors on the same (world) process group keep working.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,8 +33,9 @@ import torch.distributed as dist
 from gossamer import context
 from gossamer.errors import PeerError
 from gossamer.profiling import count_collective, count_sent, timeline
-from gossamer.transport.failures import wait_works
+from gossamer.transport.failures import is_backend_error, wait_works
 from gossamer.transport.header import HEADER_LEN, Header
+from gossamer.transport.liveness import BEAT_S, DEAD_AFTER_S, get_liveness
 from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
 from gossamer.transport.rejection import (
     REJECTED,
@@ -30,7 +44,7 @@ from gossamer.transport.rejection import (
     rejected_header,
 )
 
-__all__ = ["check_same_call", "exchange", "exchange_rejected"]
+__all__ = ["Survived", "check_same_call", "exchange", "exchange_rejected", "exchange_surviving"]
 
 _HEADER_TAG = 0x6F01
 _DATA_TAG = 0x6F02  # data chunks use 0x6F02 .. 0x6F02 + _MAX_CHUNKS - 1
@@ -40,6 +54,7 @@ _DATA_TAG = 0x6F02  # data chunks use 0x6F02 .. 0x6F02 + _MAX_CHUNKS - 1
 # chunks (wire time 96 ms). On one machine (bench_ops, loopback) chunks made 1e6-element
 # exchanges about 30 % slower, so messages between ranks of one machine stay whole.
 _CHUNK_BYTES = 256 * 2**10
+_PEER_ARG = {dist.isend: "group_dst", dist.irecv: "group_src"}
 _MAX_CHUNKS = 32
 
 
@@ -87,14 +102,20 @@ def _chunks(tensor: torch.Tensor, remote: bool) -> list[torch.Tensor]:
     return list(tensor.tensor_split(pieces))
 
 
-def _p2p(
-    op: str,
+def _post(
     sends: Sequence[tuple[int, torch.Tensor]],
     recvs: Sequence[tuple[int, torch.Tensor]],
     group: dist.ProcessGroup | None,
     tag: int,
-) -> None:
-    """Post every send and receive (flat bytes) at once, in chunks with tags ``tag``, ..."""
+    failed: dict[int, str] | None = None,
+) -> list[tuple[int, dist.Work]]:
+    """Post every send and receive (flat bytes) at once, in chunks with tags ``tag``, ...
+
+    Returns ``(global peer, work)`` per posted piece (peer -1 when the backend coalesced).
+    With ``failed`` (elastic exchanges), pieces are posted one by one and a peer whose
+    post raises a backend error (gloo refuses a pair whose peer died) is recorded there
+    with the error, and not posted to again, instead of stopping the whole batch.
+    """
     layout = context.layout()
 
     def pieces(peer: int, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -104,17 +125,50 @@ def _p2p(
     posts = [(dist.isend, p, c) for p, t in sends for c in pieces(p, t)]
     posts += [(dist.irecv, p, c) for p, t in recvs for c in pieces(p, t)]
     if not posts:
-        return
+        return []
     ops, index = [], {}
     for fn, peer, chunk in posts:
         k = index[fn, peer] = index.get((fn, peer), -1) + 1
         ops.append(dist.P2POp(fn, chunk, group=group, group_peer=peer, tag=tag + k))
+    peers = [_global(group, p) for _, p, _ in posts]
+    if failed is not None:
+        return _post_each(ops, peers, failed)
     works = dist.batch_isend_irecv(ops)
-    count_sent(op, sum(t.nbytes for _, t in sends))
-    peers = [p for _, p, _ in posts]
     if len(works) != len(peers):  # a coalescing backend (NCCL) returns one work
         peers = [-1] * len(works)
-    wait_works(op, [(_global(group, p), w) for p, w in zip(peers, works, strict=True)])
+    return list(zip(peers, works, strict=True))
+
+
+def _post_each(
+    ops: Sequence[dist.P2POp], peers: Sequence[int], failed: dict[int, str]
+) -> list[tuple[int, dist.Work]]:
+    """Post ``ops`` one at a time; a peer whose post fails goes into ``failed``."""
+    posted = []
+    for op, peer in zip(ops, peers, strict=True):
+        if peer in failed:
+            continue
+        try:
+            work = op.op(op.tensor, group=op.group, tag=op.tag, **{_PEER_ARG[op.op]: op.group_peer})
+        except RuntimeError as err:
+            if not is_backend_error(err):
+                raise
+            failed[peer] = str(err)
+            continue
+        posted.append((peer, work))
+    return posted
+
+
+def _p2p(
+    op: str,
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    tag: int,
+) -> None:
+    """Post every send and receive at once (see :func:`_post`) and wait for all of them."""
+    works = _post(sends, recvs, group, tag)
+    count_sent(op, sum(t.nbytes for _, t in sends))
+    wait_works(op, works)
 
 
 def _headers_then_data(
@@ -251,3 +305,110 @@ def check_same_call(
         text = "; ".join(f"rank {r} called {heads[r].describe()}" for r in wrong)
         raise PeerError(f"{op}: mismatched call: rank 0 called {first.describe()}, but {text}")
     return [h.shape for h in heads]
+
+
+_CONFIRM_POLL_S = 0.1
+
+
+@dataclass
+class Survived:
+    """The result of :func:`exchange_surviving`.
+
+    Attributes:
+        received: group rank -> tensor, from every source that delivered.
+        lost: global ranks whose transfers failed and whose heartbeats stopped.
+        epoch: the highest membership epoch among the received headers.
+    """
+
+    received: dict[int, torch.Tensor] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+    epoch: int = 0
+
+
+def _wait_each(works: Sequence[tuple[int, dist.Work]]) -> dict[int, str]:
+    """Wait for every work; return the peers whose work failed (backend error), with it."""
+    failed: dict[int, str] = {}
+    for peer, work in works:
+        try:
+            work.wait()
+        except RuntimeError as err:
+            if not is_backend_error(err):
+                raise
+            failed.setdefault(peer, str(err))
+    return failed
+
+
+def _confirm_dead(op: str, failed: dict[int, str]) -> None:
+    """Return once every rank of ``failed`` is found dead by its heartbeat, else raise."""
+    if -1 in failed:
+        raise PeerError(f"{op}: a coalesced transfer failed (elastic gossip needs gloo)")
+    live = get_liveness()
+    deadline = time.monotonic() + DEAD_AFTER_S + 2 * BEAT_S
+    while True:
+        lost = live.check() if live is not None else set()
+        if set(failed) <= lost:
+            return
+        if time.monotonic() >= deadline:
+            alive = sorted(set(failed) - lost)
+            raise PeerError(
+                f"{op}: transfers with ranks {alive} failed, but their heartbeats go on; "
+                f"this is not a death the survivors can train through ({failed[alive[0]]})"
+            )
+        time.sleep(_CONFIRM_POLL_S)
+
+
+def exchange_surviving(
+    op: str,
+    tensor: torch.Tensor,
+    sends: Mapping[int, torch.Tensor],
+    sources: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    *,
+    epoch: int = 0,
+) -> Survived:
+    """Send ``sends[d]`` to every ``d``, receive from ``sources``; survive dead peers.
+
+    Ranks are ranks of ``group``; the header of this rank carries ``epoch``. Transfers with
+    dead peers are dropped (the result names them in ``lost``); the returned tensors are
+    reused by the next exchange: consume them first.
+
+    Raises:
+        PeerArgumentError: a source rejected its arguments.
+        PeerError: a source called another operation or shape, or a transfer failed with a
+            rank whose heartbeat goes on.
+    """
+    mine = Header.of(op, tensor, epoch=epoch)
+    heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
+    buffers = context.runtime().component("transport.buffers", Buffers)
+    header_bytes = as_bytes(mine.encode())
+    with timeline.record(op, "communicating"):
+        failed: dict[int, str] = {}
+        posted = _post(
+            [(d, header_bytes) for d in sends],
+            [(s, as_bytes(h)) for s, h in heads.items()],
+            group,
+            _HEADER_TAG,
+            failed,
+        )
+        failed.update(_wait_each(posted))
+        theirs = {s: Header.decode(h) for s, h in heads.items() if _global(group, s) not in failed}
+        raw = {s: buffers.get(h, tensor.device, s) for s, h in theirs.items()}
+        payloads = [(d, as_bytes(t)) for d, t in sends.items() if _global(group, d) not in failed]
+        posted = _post(payloads, list(raw.items()), group, _DATA_TAG, failed)
+        count_sent(op, len(sends) * header_bytes.nbytes + sum(t.nbytes for _, t in payloads))
+        failed.update(_wait_each(posted))
+    if failed:
+        _confirm_dead(op, failed)
+    theirs = {s: h for s, h in theirs.items() if _global(group, s) not in failed}
+    refused = {h.slot: _text(raw[s]) for s, h in theirs.items() if h.op == REJECTED}
+    if refused:
+        raise peer_argument_error(op, refused)
+    wrong = [s for s, h in theirs.items() if not mine.matches(h)]
+    if wrong:
+        text = "; ".join(f"rank {_global(group, s)} called {theirs[s].describe()}" for s in wrong)
+        raise PeerError(
+            f"{op}: mismatched call: rank {context.rank()} called {mine.describe()}, but {text}"
+        )
+    received = {s: from_bytes(raw[s], h.dtype, h.shape) for s, h in theirs.items()}
+    top = max([epoch, *(h.epoch for h in theirs.values())])
+    return Survived(received, set(failed), top)

@@ -1,0 +1,203 @@
+"""Training that outlives a rank: 4 ranks learn digits, one is killed at 40 %, the rest go on.
+
+Run (it starts its own local ranks; see below why not ``gossamer run``)::
+
+    python examples/elastic_digits.py
+    python examples/elastic_digits.py --world-size 6 --victim 3 --kill-at 0.5 --epochs 6
+
+Every rank trains :class:`gossamer.models.SmallCNN` on its shard of scikit-learn's bundled
+digits (the loader of ``train_digits.py``) with adapt-then-combine over
+``exponential_two(n)`` and ``elastic=True``. At ``--kill-at`` of the run the victim rank
+SIGKILLs itself (no clean-up, as a crash or an OOM kill would). Its neighbours' next
+exchange with it fails, the heartbeats confirm the death, the survivors agree on the new
+live set through the rendezvous store (membership epoch 1), and they go on averaging over
+``exponential_two(n).without([victim])`` (Sinkhorn re-weighting, doubly stochastic). The
+victim's data is lost with it; the survivors keep what its model had taught theirs.
+
+Rank ``min(live)`` prints, per survivor, when it learned of the death, the time from the
+kill to its next step completed among the survivors only, its longest step after the kill
+(the stall) beside the median step before it, and its final test accuracy;
+``<out>/elastic_digits.png`` shows each rank's test accuracy over time with the kill and the
+membership changes marked. Histories travel through the rendezvous store (collectives
+cannot run once a rank is dead).
+
+Why not ``gossamer run``: torchrun's agent stops every rank as soon as one exits
+(``--max-restarts=0``), so the survivors would be killed with the victim; an agent that
+lets the others run is not built yet (docs/fault-tolerance.md). This script therefore
+starts ``--world-size`` copies of itself with the variables torchrun would set, and rank 0
+hosts the store, so the victim must not be rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from train_digits import accuracy, load_digits, make_model, split
+
+import gossamer
+from gossamer import context, optim
+from gossamer import topology as topo
+
+_KEY = "elastic_digits/"
+
+
+def spawn(args: argparse.Namespace) -> int:
+    """Start ``--world-size`` ranks of this script on this machine; wait for them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(args.world_size),
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen([sys.executable, *sys.argv, "--child"], env={**env, "RANK": str(r)})
+        for r in range(args.world_size)
+    ]
+    codes = [p.wait() for p in procs]
+    bad = [r for r, c in enumerate(codes) if c != 0 and r != args.victim]
+    if codes[args.victim] != -signal.SIGKILL:
+        print(f"the victim, rank {args.victim}, exited with {codes[args.victim]}, not SIGKILL")
+    return 1 if bad else 0
+
+
+def train(args: argparse.Namespace) -> None:
+    """One rank: train, record accuracy over time, die if it is the victim."""
+    torch.set_num_threads(1)
+    gossamer.init()
+    rank, size = gossamer.rank(), gossamer.size()
+    store = context.runtime().store
+    train_set, (test_images, test_labels) = split(*load_digits(), 0.2, args.seed)
+    images, labels = train_set[0][rank::size], train_set[1][rank::size]
+    steps_per_epoch = len(train_set[1]) // (size * args.batch_size)
+    total = args.epochs * steps_per_epoch
+    kill_step = round(args.kill_at * total)
+
+    model = make_model(args.seed)  # the same seed: one starting point on every rank
+    base = torch.optim.Adam(model.parameters(), lr=args.lr)
+    opt = optim.AdaptThenCombine(base, model, topology=topo.exponential_two(size), elastic=True)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(base, total)
+    loss_fn = nn.CrossEntropyLoss()
+    changes: list[dict] = []
+    gossamer.on_membership_change(
+        lambda c: changes.append({"t": time.time(), "epoch": c.epoch, "live": list(c.live)})
+    )
+    start = time.time()
+    history = {"rank": rank, "start": start, "acc": [], "step_done": [], "changes": changes}
+    generator = torch.Generator().manual_seed(args.seed * 10_000 + rank)
+    order = torch.randperm(len(labels), generator=generator)
+    for step in range(total):
+        if rank == args.victim and step == kill_step:
+            store.set(f"{_KEY}killed_at", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        at = (step % steps_per_epoch) * args.batch_size
+        if at == 0 and step:
+            order = torch.randperm(len(labels), generator=generator)
+        batch = order[at : at + args.batch_size]
+        opt.zero_grad()
+        loss_fn(model(images[batch]), labels[batch]).backward()
+        opt.step()
+        schedule.step()
+        opt.synchronize()  # this step's combine has landed: the step is complete
+        history["step_done"].append(time.time())
+        if step % args.eval_every == 0 or step == total - 1:
+            history["acc"].append((time.time(), step, accuracy(model, test_images, test_labels)))
+    store.set(f"{_KEY}{rank}", json.dumps(history))
+    live = gossamer.live_ranks()
+    if rank == min(live):
+        report([json.loads(store.get(f"{_KEY}{r}")) for r in live], store, args, kill_step)
+    gossamer.shutdown()
+
+
+def report(histories: list[dict], store, args: argparse.Namespace, kill_step: int) -> None:
+    """Print recovery times and final accuracies; plot accuracy over time."""
+    killed_at = float(store.get(f"{_KEY}killed_at"))
+    start = min(h["start"] for h in histories)
+    print(f"rank {args.victim} was killed at step {kill_step}, {killed_at - start:.2f} s in")
+    for h in histories:
+        done = h["step_done"]
+        gaps = [(b - a, b) for a, b in itertools.pairwise(done)]
+        before = [g for g, b in gaps if b < killed_at]
+        stall = max(g for g, b in gaps if b > killed_at)
+        learned = h["changes"][0]["t"] if h["changes"] else float("nan")
+        # the first step that completes once this rank trains among the survivors only
+        resumed = next(t for t in done if t >= learned)
+        print(
+            f"rank {h['rank']}: learned of the death {learned - killed_at:.2f} s after the "
+            f"kill; next completed step {resumed - killed_at:.2f} s after the kill; longest "
+            f"step after the kill {stall:.2f} s (median before it "
+            f"{1000 * statistics.median(before):.0f} ms); final test accuracy "
+            f"{100 * h['acc'][-1][2]:.2f}%"
+        )
+    final = statistics.mean(h["acc"][-1][2] for h in histories)
+    print(f"final test accuracy, mean over the {len(histories)} survivors: {100 * final:.2f}%")
+    path = args.out / "elastic_digits.png"
+    plot(histories, start, killed_at, path)
+    print(f"wrote {path}")
+
+
+def plot(histories: list[dict], start: float, killed_at: float, path: Path) -> None:
+    """Accuracy over time per survivor, the kill and the membership changes marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for h in histories:
+        t = [a[0] - start for a in h["acc"]]
+        line = ax.plot(t, [100 * a[2] for a in h["acc"]], marker=".", label=f"rank {h['rank']}")
+        for change in h["changes"]:
+            ax.axvline(change["t"] - start, color=line[0].get_color(), ls=":", lw=1)
+    ax.axvline(killed_at - start, color="k", ls="--", label="victim killed")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("elastic gossip on digits (dotted: a survivor adopts the new live set)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--victim", type=int, default=2, help="rank to kill (not 0)")
+    parser.add_argument("--kill-at", type=float, default=0.4, help="fraction of the run")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--eval-every", type=int, default=5, help="steps between accuracies")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the PNG")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not 0 < args.victim < args.world_size:
+        parser.error(f"--victim must be in [1, {args.world_size}); got {args.victim}")
+    if not 0 < args.kill_at < 1:
+        parser.error(f"--kill-at must be in (0, 1); got {args.kill_at}")
+    if args.child:
+        train(args)
+    else:
+        sys.exit(spawn(args))
+
+
+if __name__ == "__main__":
+    main()
