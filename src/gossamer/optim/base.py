@@ -105,6 +105,8 @@ class DecentralizedOptimizer:
         # Reverse registration order approximates the order gradients become ready.
         self.params = list(reversed(params))
         self.buckets: list[Bucket] = bucketize(self.params, fusion_threshold_bytes)
+        if not isinstance(elastic, bool):
+            raise TypeError(f"elastic must be a bool; got {elastic!r}")
         options = {
             "communication": communication,
             "topology": topology,
@@ -242,8 +244,7 @@ def _communicator(communicator: object, options: dict) -> Communicator:
     if communicator is None:
         # Only None means the default: "" is an unknown name, not a request for it.
         name = options.pop("communication")
-        if not isinstance(options["elastic"], bool):
-            raise TypeError(f"elastic must be a bool; got {options['elastic']!r}")
+        options["elastic"] = bool(options["elastic"])  # None: not asked for
         return make("neighbor_allreduce" if name is None else name, **options)
     if not isinstance(communicator, Communicator):
         raise TypeError(
