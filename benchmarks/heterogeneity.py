@@ -177,6 +177,17 @@ def _on_graph(name):
     return build
 
 
+def _undirected(name):
+    """NGC sends cross-gradients back along every edge: exp-2 made undirected (MH weights)."""
+
+    def build(model, base, s):
+        adjacency = s.graph.adjacency
+        graph = topo.metropolis_hastings_weights((adjacency + adjacency.T) > 0)
+        return _built(LATER[name])(base, model, topology=graph)
+
+    return build
+
+
 def _ngo(model, base, s):
     gossip = _built(LATER["ngo"])(s.graph)
     return optim.AdaptThenCombine(base, model, communicator=gossip)
@@ -193,8 +204,8 @@ METHODS: dict[str, Method] = {
     # the other skew optimizers; bytes of the first three are not counted (they also send
     # gradients or cross-gradients, which the round count here does not see)
     "clique-avg": Method(_clique_averaging, False, LATER["clique-avg"], counted=False),
-    "ngc": Method(_on_graph("ngc"), True, LATER["ngc"], closure=True, counted=False),
-    "compngc": Method(_on_graph("compngc"), True, LATER["compngc"], closure=True, counted=False),
+    "ngc": Method(_undirected("ngc"), True, LATER["ngc"], closure=True, counted=False),
+    "compngc": Method(_undirected("compngc"), True, LATER["compngc"], closure=True, counted=False),
     "dacfl": Method(_on_graph("dacfl"), True, LATER["dacfl"]),
     "ngo": Method(_ngo, True, LATER["ngo"]),
 }
