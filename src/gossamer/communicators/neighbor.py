@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from gossamer import ops
-from gossamer.communicators.base import Communicator, Pending
+from gossamer.communicators.base import Communicator, Pending, check_topology
 from gossamer.topology import Step, Topology
 
 __all__ = ["HierarchicalNeighborAllreduce", "NeighborAllreduce"]
@@ -83,8 +83,7 @@ class NeighborAllreduce(Scheduled):
         global_average_every: int | None = None,
     ) -> None:
         super().__init__(schedule=schedule, global_average_every=global_average_every)
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a gossamer Topology; got {topology!r}")
+        check_topology(topology)
         if topology is not None and schedule is not None:
             raise ValueError("give topology or schedule, not both")
         self.topology = topology

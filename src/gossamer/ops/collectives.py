@@ -22,6 +22,7 @@ from gossamer.transport import (
     DTYPES,
     Handle,
     as_bytes,
+    check_flag,
     check_rank,
     check_tensor,
     from_bytes,
@@ -51,6 +52,8 @@ _SUM_DTYPES = (
     torch.bool,
 )
 _ANY_DTYPE = DTYPES
+# What a barrier's call header describes: it carries no data.
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 # Where a backend lacks a kernel or a sum loses bits, reduce in a wider dtype: half types in
 # float32 (fp16 sums of many ranks overflow), int16 in int32 (gloo and NCCL have no int16;
 # int32 holds the sum of 65536 int16 values, and casting back wraps as int16 arithmetic
@@ -99,8 +102,8 @@ def _result(tensor: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Ten
 
 def _allreduce(tensor, average, group, async_op, inplace) -> torch.Tensor | Handle:
     try:
-        if not isinstance(average, bool):
-            raise TypeError(f"allreduce: average must be a bool; got {average!r}")
+        check_flag(average, "average", "allreduce")
+        check_flag(async_op, "async_op", "allreduce")
         check_tensor(tensor, AVERAGING_DTYPES if average else _SUM_DTYPES, "allreduce")
         group_rank(group)
     except (TypeError, ValueError) as err:
@@ -164,6 +167,7 @@ def allreduce_(
 def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
     try:
         check_tensor(tensor, _ANY_DTYPE, "broadcast")
+        check_flag(async_op, "async_op", "broadcast")
         check_rank(root, "root", group_size(group))
     except (TypeError, ValueError) as err:
         _reject("broadcast", err, group)
@@ -231,6 +235,7 @@ def allgather(
     """
     try:
         check_tensor(tensor, _ANY_DTYPE, "allgather")
+        check_flag(async_op, "async_op", "allgather")
         if tensor.dim() == 0:
             raise ValueError("allgather: tensor must have at least one dimension; got a scalar")
         group_rank(group)
@@ -277,19 +282,26 @@ def alltoall(
         tensor([10, 12])  # Rank 0 of 2
         tensor([11, 13])  # Rank 1
     """
-    check_tensor(tensor, _ANY_DTYPE, "alltoall")
-    size = group_size(group)
-    if tensor.dim() == 0 or tensor.shape[0] % size:
-        raise ValueError(
-            f"alltoall: tensor dim 0 must be a multiple of the group size {size}; "
-            f"got shape {tuple(tensor.shape)}"
-        )
+    try:
+        check_tensor(tensor, _ANY_DTYPE, "alltoall")
+        check_flag(async_op, "async_op", "alltoall")
+        size = group_size(group)
+        if tensor.dim() == 0 or tensor.shape[0] % size:
+            raise ValueError(
+                f"alltoall: tensor dim 0 must be a multiple of the group size {size}; "
+                f"got shape {tuple(tensor.shape)}"
+            )
+    except (TypeError, ValueError) as err:
+        _reject("alltoall", err, group)
+        raise
 
     def body() -> torch.Tensor:
         transport.check_same_call("alltoall", tensor, group)
         source = tensor.contiguous()
         out = torch.empty_like(source)
-        work = dist.all_to_all_single(out, source, group=group, async_op=True)
+        # Raw bytes (gloo has no all_to_all kernel for int16, bool, ...): equal blocks of
+        # dim 0 are equal blocks of bytes.
+        work = dist.all_to_all_single(as_bytes(out), as_bytes(source), group=group, async_op=True)
         transport.wait_works("alltoall", [(-1, work)])
         return out
 
@@ -297,10 +309,19 @@ def alltoall(
 
 
 def barrier(*, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle | None:
-    """Block until every rank of ``group`` has called ``barrier``."""
-    group_rank(group)
+    """Block until every rank of ``group`` has called ``barrier``.
+
+    A rank that passes a bad ``async_op`` makes the others raise ``PeerArgumentError``.
+    """
+    try:
+        group_rank(group)
+        check_flag(async_op, "async_op", "barrier")
+    except (TypeError, ValueError) as err:
+        _reject("barrier", err, group)
+        raise
 
     def body() -> None:
+        transport.check_same_call("barrier", _NOTHING, group)
         transport.wait_works("barrier", [(-1, dist.barrier(group=group, async_op=True))])
 
     return transport.run("barrier", body, async_op)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,9 @@ def _new_local_group() -> dist.ProcessGroup:
     layout = context.layout()
     machines = [list(layout.ranks_on(m)) for m in range(layout.machine_size)]
     # new_subgroups_by_enumeration is collective: every rank creates every group.
-    mine, _ = dist.new_subgroups_by_enumeration(machines, backend="gloo")
+    mine, _ = dist.new_subgroups_by_enumeration(
+        machines, backend="gloo", timeout=timedelta(seconds=context.timeout())
+    )
     return mine
 
 
@@ -67,6 +70,8 @@ def local_allreduce(
 
     With ``average`` the sum is divided by ``local_size()``. Out of place.
     """
+    transport.check_flag(average, "average", "local_allreduce")
+    transport.check_flag(async_op, "async_op", "local_allreduce")
     runtime = context.runtime()
     # Creating the group is collective: queue it behind pending operations.
     group = runtime.find("ops.local_group")
@@ -113,6 +118,7 @@ def hierarchical_neighbor_allreduce(
     op = "hierarchical_neighbor_allreduce"
     try:
         sw, weights, dsts = _plan(op, tensor, self_weight, src_machine_weights, dst_machine_weights)
+        transport.check_flag(async_op, "async_op", op)
     except (TypeError, ValueError) as err:
         _reject(op, err, tensor, src_machine_weights, dst_machine_weights)
         raise

@@ -22,6 +22,7 @@ from gossamer.transport import (
     AVERAGING_DTYPES,
     DTYPES,
     Handle,
+    check_flag,
     check_rank,
     check_rank_list,
     check_tensor,
@@ -167,6 +168,8 @@ def _allreduce_plan(
     if dst_weights is not None and src_weights is None:
         raise ValueError(f"{op}: dst_weights (dynamic mode) needs self_weight and src_weights")
     if dst_weights is not None:
+        if topology is not None:  # unused in dynamic mode, but a wrong one is still a bug
+            _topology_for(topology, group)  # type: ignore[arg-type]
         sw = check_weight(self_weight, "self_weight")
         weights = check_weights(src_weights, "src_weights", size, me)
         sources = sorted(weights)
@@ -244,8 +247,8 @@ def neighbor_allreduce(
         sw, weights, sources, dsts = _allreduce_plan(
             op, tensor, self_weight, src_weights, dst_weights, topology, group
         )
-        if not isinstance(check_topology, bool):
-            raise TypeError(f"{op}: check_topology must be a bool; got {check_topology!r}")
+        check_flag(check_topology, "check_topology", op)
+        check_flag(async_op, "async_op", op)
     except (TypeError, ValueError) as err:
         explicit = dst_weights is not None
         peers = _named_peers(topology, src_weights, dst_weights, group, explicit)
@@ -303,8 +306,12 @@ def neighbor_allgather(
             graph = _topology_for(topology, group)
             sources, dsts = list(graph.in_neighbors(me)), list(graph.out_neighbors(me))
         else:
+            if topology is not None:  # unused in dynamic mode, but a wrong one is still a bug
+                _topology_for(topology, group)
             sources = check_rank_list(src_ranks, "src_ranks", size, me)
             dsts = check_rank_list(dst_ranks, "dst_ranks", size, me)
+        check_flag(check_topology, "check_topology", op)
+        check_flag(async_op, "async_op", op)
     except (TypeError, ValueError) as err:
         explicit = src_ranks is not None or dst_ranks is not None
         peers = _named_peers(topology, src_ranks, dst_ranks, group, explicit)
@@ -354,6 +361,7 @@ def pair_gossip(
             weights = {target: check_weight(pair_weight, "pair_weight")}
         else:
             sw = None
+        check_flag(async_op, "async_op", op)
     except (TypeError, ValueError) as err:
         _reject(op, err, tensor, group, False, _named_peers(None, [target], [target], group, True))
         raise

@@ -76,6 +76,15 @@ class DecentralizedOptimizer:
                 "num_steps_per_communication must be an int >= 1; got "
                 f"{num_steps_per_communication!r}"
             )
+        if fusion_threshold_bytes is not None and (
+            isinstance(fusion_threshold_bytes, bool)
+            or not isinstance(fusion_threshold_bytes, int)
+            or fusion_threshold_bytes < 0
+        ):
+            raise ValueError(
+                "fusion_threshold_bytes must be an int >= 0 or None; got "
+                f"{fusion_threshold_bytes!r}"
+            )
         context.rank()  # NotInitializedError before gossamer.init()
         self.optimizer = optimizer
         self.models = _models(model)
@@ -223,8 +232,9 @@ class DecentralizedOptimizer:
 
 def _communicator(communicator: object, options: dict) -> Communicator:
     if communicator is None:
-        name = options.pop("communication") or "neighbor_allreduce"
-        return make(name, **options)
+        name = options.pop("communication")
+        # Only None means the default: "" is a wrong name like any other.
+        return make("neighbor_allreduce" if name is None else name, **options)
     if not isinstance(communicator, Communicator):
         raise TypeError(
             f"communicator must be a gossamer.communicators.Communicator; got {communicator!r}"

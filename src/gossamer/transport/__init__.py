@@ -15,6 +15,7 @@ from __future__ import annotations
 from gossamer import context
 from gossamer.transport.checks import (
     AVERAGING_DTYPES,
+    check_flag,
     check_rank,
     check_rank_list,
     check_tensor,
@@ -45,6 +46,7 @@ __all__ = [
     "Handle",
     "Header",
     "as_bytes",
+    "check_flag",
     "check_rank",
     "check_rank_list",
     "check_same_call",

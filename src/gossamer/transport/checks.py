@@ -14,6 +14,7 @@ from gossamer.topology import Topology
 
 __all__ = [
     "AVERAGING_DTYPES",
+    "check_flag",
     "check_rank",
     "check_rank_list",
     "check_tensor",
@@ -45,6 +46,18 @@ def check_tensor(tensor: object, dtypes: Collection[torch.dtype], op: str) -> to
     if tensor.is_sparse:
         raise TypeError(f"{op}: sparse tensors are not supported")
     return tensor
+
+
+def check_flag(value: object, name: str, op: str | None = None) -> bool:
+    """Return ``value`` if it is a bool.
+
+    0, 1 and numpy bools are refused too: a flag that is not a bool is almost always an
+    argument in the wrong place.
+    """
+    if not isinstance(value, bool):
+        where = f"{op}: " if op else ""
+        raise TypeError(f"{where}{name} must be a bool; got {value!r}")
+    return value
 
 
 def check_rank(value: object, name: str, size: int) -> int:

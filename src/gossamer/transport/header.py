@@ -66,6 +66,7 @@ OPS = (
     "compressed_gossip",
     # A rank that rejected its arguments sends this instead of its call (transport.rejection).
     "rejected",
+    "barrier",
 )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -44,7 +45,9 @@ class Registry:
         """The progress service, started if needed (collective on first use); None alone."""
         if self.service is None and context.size() > 1:
             if self._group is None:
-                self._group = dist.new_group(backend="gloo")
+                self._group = dist.new_group(
+                    backend="gloo", timeout=timedelta(seconds=context.timeout())
+                )
             self.service = Service(self._group)
         return self.service
 

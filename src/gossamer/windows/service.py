@@ -24,22 +24,27 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import Enum
 
 import torch
 import torch.distributed as dist
 
 from gossamer import context
+from gossamer.combine import add_into
 from gossamer.errors import CommunicationTimeout, PeerError, WindowError
-from gossamer.transport import HEADER_LEN, Header
+from gossamer.transport import DTYPES, HEADER_LEN, Header, as_bytes, nbytes_of
 
 __all__ = ["WINDOW_DTYPES", "Kind", "Service", "WindowState"]
 
 logger = logging.getLogger("gossamer.windows")
 
 _HEADER_TAG = 0x7701
+# How long the progress thread may wait for the next request (a window may sit unused).
+_IDLE = timedelta(days=365)
 _PAYLOAD_TAG_BASE = 1 << 20
-WINDOW_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+# Payloads travel as bytes (gloo has no kernels for some dtypes), so any dtype with a wire code.
+WINDOW_DTYPES = DTYPES
 
 
 class Kind(Enum):
@@ -86,6 +91,11 @@ class WindowState:
         if peer not in self.staging:
             self.staging[peer] = torch.empty(self.tensor.shape, dtype=self.tensor.dtype)
         return self.staging[peer]
+
+
+def _drain(h: Header) -> torch.Tensor:
+    """Bytes to receive (and drop) the payload that header ``h`` announced."""
+    return torch.empty(nbytes_of(h.dtype, h.numel), dtype=torch.uint8)
 
 
 def _header(
@@ -145,7 +155,8 @@ class Service:
             sends = [(self.group.send([head], target, _HEADER_TAG), head)]
             if payload is not None:
                 tag = _PAYLOAD_TAG_BASE + req % (1 << 30)
-                sends.append((self.group.send([payload], target, tag), payload))
+                data = as_bytes(payload)
+                sends.append((self.group.send([data], target, tag), data))
         except RuntimeError as err:
             with self._lock:
                 self._pending.pop(req, None)
@@ -265,7 +276,9 @@ class Service:
             encoded = torch.empty(HEADER_LEN, dtype=torch.int64)
             try:
                 work = self.group.recv_anysource([encoded], _HEADER_TAG)
-                work.wait()
+                # Waiting for the next request is idle time, not a deadline: the group's
+                # timeout (the runtime's) bounds every other wait of the service.
+                work.wait(_IDLE)
                 src = work._source_rank()
                 head = Header.decode(encoded)
                 try:
@@ -302,18 +315,18 @@ class Service:
             or state.tensor.numel() != h.numel
             or state.tensor.dtype != h.dtype
         ):
-            self._recv_payload(src, req, torch.empty(h.numel, dtype=h.dtype))  # drain
+            self._recv_payload(src, req, _drain(h))
             self._post(src, _header(Kind.NACK, wid, req))
             return
         stage = state.stage(src)
-        self._recv_payload(src, req, stage)
+        self._recv_payload(src, req, as_bytes(stage))
         with state.lock:
             if kind == Kind.PUT:
                 state.buffers[src].copy_(stage)
                 state.versions[src] += 1
                 state.p_buffers[src] = value
             else:
-                state.buffers[src].add_(stage)
+                add_into(state.buffers[src], stage)
                 state.p_buffers[src] += value
         self._post(src, _header(Kind.ACK, wid, req))
 
@@ -328,15 +341,15 @@ class Service:
         self._post(
             src,
             _header(Kind.REPLY, wid, req, copy.numel(), copy.dtype),
-            copy,
+            as_bytes(copy),
             _PAYLOAD_TAG_BASE + req % (1 << 30),
         )
 
     def _on_reply(self, kind: Kind, src: int, h: Header) -> None:
         wid, req = h.aux, h.seq
         state = self._state(wid)
-        stage = state.stage(src) if state is not None else torch.empty(h.numel, dtype=h.dtype)
-        self._recv_payload(src, req, stage)
+        stage = state.stage(src) if state is not None else None
+        self._recv_payload(src, req, _drain(h) if stage is None else as_bytes(stage))
         if state is not None:
             with state.lock:
                 state.buffers[src].copy_(stage)
