@@ -26,7 +26,7 @@ from gossamer.transport.checks import (
     group_size,
 )
 from gossamer.transport.engine import run, submit
-from gossamer.transport.failures import wait_works
+from gossamer.transport.failures import find_lost, lost_error, wait_works
 from gossamer.transport.handle import Handle
 from gossamer.transport.header import DTYPES, HEADER_LEN, OPS, Header
 from gossamer.transport.liveness import get_liveness
@@ -56,11 +56,13 @@ __all__ = [
     "check_weights",
     "exchange",
     "exchange_rejected",
+    "find_lost",
     "from_bytes",
     "gather_reasons",
     "get_liveness",
     "group_rank",
     "group_size",
+    "lost_error",
     "nbytes_of",
     "peer_argument_error",
     "reject",

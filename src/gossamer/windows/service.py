@@ -33,7 +33,15 @@ import torch.distributed as dist
 from gossamer import context
 from gossamer.combine import add_into
 from gossamer.errors import CommunicationTimeout, PeerError, WindowError
-from gossamer.transport import DTYPES, HEADER_LEN, Header, as_bytes, nbytes_of
+from gossamer.transport import (
+    DTYPES,
+    HEADER_LEN,
+    Header,
+    as_bytes,
+    get_liveness,
+    lost_error,
+    nbytes_of,
+)
 
 __all__ = ["WINDOW_DTYPES", "Kind", "Service", "WindowState"]
 
@@ -206,6 +214,16 @@ class Service:
         deadline = context.timeout()
         while not event.wait(timeout=min(deadline, 1.0)):
             self.check()
+            with state.lock:
+                holder = mutex.holder
+            if holder and holder[0] == "remote":
+                live = get_liveness()
+                if live is not None and holder[1] in live.check():
+                    with state.lock:
+                        mutex.waiters = deque(w for w in mutex.waiters if w[1] is not event)
+                    raise lost_error(
+                        f"window {state.name!r}: mutex slot {slot} of rank {self.rank}", {holder[1]}
+                    )
             deadline -= 1.0
             if deadline <= 0:
                 with state.lock:
@@ -394,6 +412,19 @@ class Service:
         self._post(src, _header(Kind.ACK, h.aux, h.seq))
 
     # ------------------------------------------------------------------ lifecycle
+    def abort(self) -> None:
+        """Stop without the peers (a rank was lost, so the collective stop cannot run).
+
+        Aborting the group ends the progress thread's pending receive: a thread left inside
+        gloo's wait when the interpreter exits would abort the process.
+        """
+        try:
+            self.group.abort()
+        except Exception:  # already broken: nothing is left to end
+            logger.debug("window service: abort failed", exc_info=True)
+        self._thread.join(timeout=2.0)
+        self._sends.put(None)
+
     def stop(self) -> None:
         """Collective: every rank tells its successor's thread to stop, then joins its own."""
         if self.size > 1 and self._broken is None:
