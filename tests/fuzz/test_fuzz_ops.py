@@ -26,7 +26,7 @@ from gossamer.optim import AdaptThenCombine, AdaptWithCombine, GradientAllreduce
 from gossamer.testing import run_distributed
 from gossamer.transport import DTYPES
 
-EXAMPLES = int(os.environ.get("GOSSAMER_FUZZ_EXAMPLES", "1200"))
+EXAMPLES = int(os.environ.get("GOSSAMER_FUZZ_EXAMPLES", "1050"))
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 AVERAGING = [*FLOATS, torch.complex64, torch.complex128]
 SUMMABLE = [*AVERAGING, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
