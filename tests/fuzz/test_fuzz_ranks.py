@@ -143,18 +143,24 @@ def window_case(rng, i, r, n):
     xs = [value(dtype, (3,), 100 * i + s) for s in range(n)]
     outs = [graph.out_neighbors(s) for s in range(n)]
     dst_w = [{d: rng.choice([0.5, 1.0, 1.5]) for d in outs[s]} for s in range(n)]
-    kind = rng.choice(["put", "accumulate"])
+    kind = rng.choice(["put", "accumulate", "get"])
+    # get: rank t fetches each in-neighbour s's tensor, scaled by t's own weight for s.
+    get_w = [{s: rng.choice([0.5, 1.0, 1.5]) for s in graph.in_neighbors(t)} for t in range(n)]
     # Drawn for every rank alike, so every rank's generator stays at the same position.
     sws = [rng.uniform(0, 1) for _ in range(n)]
     srcs = [{s: rng.uniform(0, 1) for s in graph.in_neighbors(t)} for t in range(n)]
     with gossamer.Window.create(xs[r].clone(), topology=graph, zero_init=True) as win:
         gossamer.barrier()
-        op = getattr(win, kind)
-        op(dst_weights=dst_w[r]) if weighted else op()
+        if kind == "get":
+            win.get(src_weights=get_w[r]) if weighted else win.get()
+        else:
+            op = getattr(win, kind)
+            op(dst_weights=dst_w[r]) if weighted else op()
         gossamer.barrier()
         bufs = win.buffers()
         for s in graph.in_neighbors(r):
-            sent = from_wide(wide(xs[s]) * dst_w[s][r], dtype) if weighted else xs[s]
+            w = get_w[r][s] if kind == "get" else dst_w[s][r]
+            sent = from_wide(wide(xs[s]) * w, dtype) if weighted else xs[s]
             close(bufs[s], sent, f"window {kind} {dtype} from {s}")
         if weighted:
             sw, src = sws[r], srcs[r]
@@ -188,6 +194,8 @@ def rejected_call(kind, r, n, bad):
         return lambda: gossamer.allgather(x[0, 0] if is_bad else x), "tensor"
     if kind == "alltoall":
         return lambda: gossamer.alltoall(x[:1] if is_bad else x), "tensor"
+    if kind == "local_allreduce":  # one machine: the local group is the world
+        return lambda: gossamer.local_allreduce(x, async_op=1 if is_bad else False), "async_op"
     if kind == "barrier":
         return lambda: gossamer.barrier(async_op=1 if is_bad else False), "async_op"
     if kind == "neighbor_allreduce":
@@ -206,6 +214,7 @@ REJECTED = [
     "allgather",
     "alltoall",
     "barrier",
+    "local_allreduce",
     "neighbor_allreduce",
     "window",
 ]
