@@ -6,6 +6,12 @@ A gossip step at rank :math:`i` computes
 
 from its own value and what it received from its sources :math:`S`. Neighbour operations,
 windows and optimizers all call :func:`weighted_sum`, so they round the same way.
+
+Integer and bool tensors (windows hold any dtype) are weighted in float64 and rounded to the
+nearest integer (halves to even) before the cast back: a weighted integer is the integer
+closest to the exact weighted sum (exact while the values stay below 2**53 in magnitude),
+and a weighted bool is True where that rounded value is nonzero. Unweighted sums
+(:func:`add_into`) stay in the dtype and wrap around as its arithmetic does.
 """
 
 from __future__ import annotations
@@ -14,7 +20,31 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["is_uniform", "scaled_copies", "weighted_sum"]
+__all__ = ["add_into", "is_uniform", "scale", "scaled_copies", "weighted_sum"]
+
+# Unsigned types torch has no addition kernel for: added through the signed type of the
+# same width, whose two's-complement sum has the same bits as the wrapped unsigned sum.
+_SIGNED_TWIN = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def _exact(dtype: torch.dtype) -> bool:
+    """Whether weights apply in ``dtype`` itself (floating or complex) or need rounding."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return dtype if _exact(dtype) else torch.float64
+
+
+def _narrow(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (computed in :func:`_wide`) back in ``dtype``, rounded if that is integral."""
+    if out.dtype == dtype:
+        return out
+    if not _exact(dtype):
+        out = out.round()
+    return out.to(dtype)
 
 
 def is_uniform(self_weight: float, weights: Mapping[int, float], sources: Sequence[int]) -> bool:
@@ -38,28 +68,42 @@ def weighted_sum(
     The uniform case is ``(x + sum_s received[s]) / (k + 1)`` over every received tensor:
     sum first, then divide, which is exact where multiplying by ``1/(k+1)`` would round
     (BlueFog computes it this way). Sources are added in ascending rank order. float16 and
-    bfloat16 are combined in float32, integers in float64 (then truncated toward zero); the
+    bfloat16 are combined in float32, integers and bool in float64 (then rounded); the
     result has ``x``'s dtype and never aliases ``x``.
     """
-    wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    if not (wide.is_floating_point or wide.is_complex):
-        # Integer windows: combine in float64 (an in-place division of an integer tensor
-        # fails), then truncate back, as the weighted path's cast does.
-        wide = torch.float64
+    wide = _wide(x.dtype)
     if weights is None:
         sources = sorted(received)
         # The first addition allocates the output, saving a separate copy of x.
-        out = torch.add(x.to(wide), received[sources[0]]) if sources else x.to(wide, copy=True)
+        out = (
+            torch.add(x.to(wide), received[sources[0]].to(wide))
+            if sources
+            else x.to(wide, copy=True)
+        )
         for src in sources[1:]:
             out.add_(received[src])
         out.div_(len(received) + 1)
     else:
         out = torch.mul(x.to(wide), self_weight)
         for src in sorted(weights):
-            out.add_(received[src], alpha=weights[src])
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+            out.add_(received[src].to(wide), alpha=weights[src])
+    return _narrow(out, x.dtype)
+
+
+def scale(x: torch.Tensor, weight: float) -> torch.Tensor:
+    """``weight * x`` in ``x``'s dtype (a new tensor; integers and bool rounded)."""
+    return _narrow(torch.mul(x.to(_wide(x.dtype)), weight), x.dtype)
+
+
+def add_into(out: torch.Tensor, value: torch.Tensor) -> None:
+    """``out += value`` in ``out``'s dtype: integers wrap, bool is a logical or."""
+    twin = _SIGNED_TWIN.get(out.dtype)
+    if twin is None:
+        out.add_(value)
+    else:
+        out.view(twin).add_(value.view(twin))
 
 
 def scaled_copies(x: torch.Tensor, dst_weights: Mapping[int, float]) -> dict[int, torch.Tensor]:
     """What to send to each destination: ``x`` itself where the weight is 1, else a copy."""
-    return {d: x if w == 1.0 else x * w for d, w in dst_weights.items()}
+    return {d: x if w == 1.0 else scale(x, w) for d, w in dst_weights.items()}

@@ -287,7 +287,11 @@ def init(
     else:
         resolved = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
     # Window traffic and small host-side messages always go over gloo.
-    host = dist.group.WORLD if resolved == "gloo" else dist.new_group(backend="gloo")
+    host = (
+        dist.group.WORLD
+        if resolved == "gloo"
+        else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    )
     found = _discover_layout(settings, host)
     if resolved == "nccl":
         dev = torch.device("cuda", found.local_rank % torch.cuda.device_count())

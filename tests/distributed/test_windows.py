@@ -306,7 +306,8 @@ def _errors():
     not_in = [s for s in range(n) if s != r and s not in win.in_neighbors]
     cases = [
         (ValueError, "already exists", lambda: gossamer.Window.create(x, name="err")),
-        (TypeError, "float32, float64", lambda: gossamer.Window.create(torch.zeros(2).half())),
+        (TypeError, "torch.Tensor", lambda: gossamer.Window.create([0.0, 1.0])),
+        (TypeError, "dense", lambda: gossamer.Window.create(torch.zeros(2).to_sparse())),
         (ValueError, "must match the window", lambda: win.put(torch.zeros(4))),
         (ValueError, "given together", lambda: win.update(self_weight=0.5)),
         (gossamer.TopologyError, "windows exist", lambda: gossamer.set_topology(topo.ring(n))),

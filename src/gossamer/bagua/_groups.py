@@ -10,6 +10,7 @@ place in it; gossamer's operations take that group. Machines are gossamer's
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -66,7 +67,9 @@ def _subgroups(rank_lists: list[list[int]]) -> Any:
     """One torch group per list (collective); this rank's communicator or NON_COMM_MEMBER."""
 
     def body() -> tuple[dist.ProcessGroup | None, list[int] | None]:
-        mine, _ = dist.new_subgroups_by_enumeration(rank_lists)
+        mine, _ = dist.new_subgroups_by_enumeration(
+            rank_lists, timeout=timedelta(seconds=context.timeout())
+        )
         me = context.rank()
         return mine, next((r for r in rank_lists if me in r), None)
 
@@ -164,7 +167,7 @@ def new_group(
         raise ValueError(f"ranks must be in [0, {size}); got {bad}")
 
     def body() -> dist.ProcessGroup | None:
-        return dist.new_group(chosen)
+        return dist.new_group(chosen, timeout=timedelta(seconds=context.timeout()))
 
     group = transport.run("new_group", body, False)
     return BaguaProcessGroup(chosen, stream, str(next(state().group_ids)), torch_group=group)

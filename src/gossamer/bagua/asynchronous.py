@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,7 +35,11 @@ __all__ = ["AsyncModelAverageOp", "BackgroundLoop", "new_gloo_group"]
 
 def new_gloo_group(ranks: list[int]) -> dist.ProcessGroup:
     """A new gloo group over ``ranks`` (collective: every rank of the world calls it)."""
-    return transport.run("new_group", lambda: dist.new_group(ranks, backend="gloo"), False)
+    return transport.run(
+        "new_group",
+        lambda: dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=context.timeout())),
+        False,
+    )
 
 
 class AsyncModelAverageOp:

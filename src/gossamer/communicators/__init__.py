@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gossamer.communicators.base import Communicator, Deferred, Pending
+from gossamer.communicators.base import Communicator, Deferred, Pending, check_topology
 from gossamer.communicators.choco import ChocoGossip, default_gamma
 from gossamer.communicators.collective import Allreduce, NoCommunication
 from gossamer.communicators.compressed import CompressedAllreduce
@@ -113,8 +113,7 @@ def make(
     """
     if communication not in COMMUNICATIONS:
         raise ValueError(f"communication must be one of {COMMUNICATIONS}; got {communication!r}")
-    if topology is not None and not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a gossamer Topology; got {topology!r}")
+    check_topology(topology)
     if schedule is not None and not hasattr(schedule, "__next__"):
         raise TypeError(f"schedule must be an iterator of topology.Step; got {schedule!r}")
     if topology is not None and schedule is not None:

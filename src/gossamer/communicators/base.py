@@ -16,9 +16,11 @@ from typing import Any, Protocol
 import torch
 
 from gossamer import context, ops
+from gossamer.errors import TopologyError
 from gossamer.fusion import Bucket
+from gossamer.topology import Topology
 
-__all__ = ["Communicator", "Deferred", "Pending"]
+__all__ = ["Communicator", "Deferred", "Pending", "check_topology"]
 
 
 class Pending(Protocol):
@@ -45,6 +47,19 @@ class Deferred:
             compute, self._compute = self._compute, None
             self._value = compute()
         return self._value
+
+
+def check_topology(topology: object) -> Topology | None:
+    """``topology`` if it is None or a Topology of the world's size (once initialized)."""
+    if topology is None:
+        return None
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a gossamer Topology; got {topology!r}")
+    if context.is_initialized() and topology.size != context.size():
+        raise TopologyError(
+            f"topology has {topology.size} ranks but the world has {context.size()}"
+        )
+    return topology
 
 
 def check_every(value: object, name: str) -> int | None:

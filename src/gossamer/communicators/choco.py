@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import torch
 
 from gossamer import transport
-from gossamer.communicators.base import Pending
+from gossamer.communicators.base import Pending, check_topology
 from gossamer.communicators.compressed import codec_id, rank_compressor
 from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, Payload, get_compressor
@@ -102,8 +102,7 @@ class ChocoGossip(Scheduled):
             gamma = default_gamma(self.compressor)
         if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not 0 < gamma <= 1:
             raise ValueError(f"gamma must be a number in (0, 1]; got {gamma!r}")
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a gossamer Topology; got {topology!r}")
+        check_topology(topology)
         if topology is not None and schedule is not None:
             raise ValueError("give topology or schedule, not both")
         self.gamma = float(gamma)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -247,7 +248,11 @@ class MoshpitAverage(Communicator):
             chosen: tuple[tuple[int, ...], dist.ProcessGroup | None] = ((me,), None)
             for members in grid_groups(grid, dim):
                 # A side of 1 is a round without peers: no group to create.
-                group = dist.new_group(list(members)) if len(members) > 1 else None
+                group = (
+                    dist.new_group(list(members), timeout=timedelta(seconds=context.timeout()))
+                    if len(members) > 1
+                    else None
+                )
                 if me in members:
                     chosen = (members, group)
             mine.append(chosen)

@@ -12,7 +12,7 @@ import torch
 
 from gossamer import context, ops, transport
 from gossamer.combine import scaled_copies, weighted_sum
-from gossamer.communicators.base import Communicator, Pending
+from gossamer.communicators.base import Communicator, Pending, check_topology
 from gossamer.errors import PeerError, TopologyError
 from gossamer.fusion import Bucket
 from gossamer.topology import Step, Topology, drop_dead
@@ -97,8 +97,7 @@ class NeighborAllreduce(Scheduled):
         if not isinstance(elastic, bool):
             raise TypeError(f"elastic must be a bool; got {elastic!r}")
         self.elastic = elastic
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a gossamer Topology; got {topology!r}")
+        check_topology(topology)
         if topology is not None and schedule is not None:
             raise ValueError("give topology or schedule, not both")
         self.topology = topology

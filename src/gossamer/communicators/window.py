@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from gossamer import context
-from gossamer.communicators.base import Deferred, Pending
+from gossamer.communicators.base import Deferred, Pending, check_topology
 from gossamer.communicators.choco import default_gamma
 from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, get_compressor
@@ -45,8 +45,7 @@ class _WindowGossip(Scheduled):
         prefix: str | None = None,
     ) -> None:
         super().__init__(schedule=schedule)
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a gossamer Topology; got {topology!r}")
+        check_topology(topology)
         self.topology = topology
         self.prefix = prefix
         self.windows: list[Window] = []

@@ -50,6 +50,8 @@ __all__ = [
 ]
 
 _ANY_DTYPE = DTYPES
+# What a barrier's call header describes: it carries no data.
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
 def reduce_into(out: torch.Tensor, average: bool, group: dist.ProcessGroup | None) -> None:
@@ -152,6 +154,7 @@ def allreduce_(
 def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
     try:
         check_tensor(tensor, _ANY_DTYPE, "broadcast")
+        check_flag(async_op, "async_op", "broadcast")
         check_rank(root, "root", group_size(group))
         check_flag(async_op, "async_op", "broadcast")
     except (TypeError, ValueError) as err:
@@ -223,6 +226,7 @@ def allgather(
     """
     try:
         check_tensor(tensor, _ANY_DTYPE, "allgather")
+        check_flag(async_op, "async_op", "allgather")
         if tensor.dim() == 0:
             raise ValueError("allgather: tensor must have at least one dimension; got a scalar")
         group_rank(group)
@@ -289,7 +293,9 @@ def alltoall(
         transport.check_same_call("alltoall", tensor, group)
         source = tensor.contiguous()
         out = torch.empty_like(source)
-        work = dist.all_to_all_single(out, source, group=group, async_op=True)
+        # Raw bytes (gloo has no all_to_all kernel for int16, bool, ...): equal blocks of
+        # dim 0 are equal blocks of bytes.
+        work = dist.all_to_all_single(as_bytes(out), as_bytes(source), group=group, async_op=True)
         transport.wait_works("alltoall", [(-1, work)])
         count_collective("alltoall", "all_to_all", source.nbytes, size)
         return out
@@ -298,11 +304,19 @@ def alltoall(
 
 
 def barrier(*, group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle | None:
-    """Block until every rank of ``group`` has called ``barrier``."""
-    group_rank(group)
-    check_flag(async_op, "async_op", "barrier")
+    """Block until every rank of ``group`` has called ``barrier``.
+
+    A rank that passes a bad ``async_op`` makes the others raise ``PeerArgumentError``.
+    """
+    try:
+        group_rank(group)
+        check_flag(async_op, "async_op", "barrier")
+    except (TypeError, ValueError) as err:
+        reject("barrier", err, group)
+        raise
 
     def body() -> None:
+        transport.check_same_call("barrier", _NOTHING, group)
         transport.wait_works("barrier", [(-1, dist.barrier(group=group, async_op=True))])
 
     return transport.run("barrier", body, async_op)

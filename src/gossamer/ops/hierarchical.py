@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,6 @@ from gossamer.profiling import count_collective, timeline
 from gossamer.transport import (
     AVERAGING_DTYPES,
     Handle,
-    check_flag,
     check_rank_list,
     check_tensor,
     check_weight,
@@ -57,7 +57,9 @@ def _new_local_group() -> dist.ProcessGroup:
     layout = context.layout()
     machines = [list(layout.ranks_on(m)) for m in range(layout.machine_size)]
     # new_subgroups_by_enumeration is collective: every rank creates every group.
-    mine, _ = dist.new_subgroups_by_enumeration(machines, backend="gloo")
+    mine, _ = dist.new_subgroups_by_enumeration(
+        machines, backend="gloo", timeout=timedelta(seconds=context.timeout())
+    )
     return mine
 
 
@@ -73,6 +75,8 @@ def local_allreduce(
     group = runtime.find("ops.local_group")
     if group is None:
         group = transport.run("local_group", local_group, False)
+    # allreduce checks the arguments, so a rank that rejects them still takes part (the
+    # other ranks of its machine raise PeerArgumentError naming it).
     return allreduce(tensor, average=average, group=group, async_op=async_op)
 
 
@@ -114,7 +118,7 @@ def hierarchical_neighbor_allreduce(
     op = "hierarchical_neighbor_allreduce"
     try:
         sw, weights, dsts = _plan(op, tensor, self_weight, src_machine_weights, dst_machine_weights)
-        check_flag(async_op, "async_op", op)
+        transport.check_flag(async_op, "async_op", op)
     except (TypeError, ValueError) as err:
         _reject(op, err, tensor, src_machine_weights, dst_machine_weights)
         raise

@@ -172,6 +172,8 @@ def _allreduce_plan(
         # Also in dynamic mode, which does not use it: a wrong one must not pass unnoticed.
         transport.check_topology(topology, group, "topology")
     if dst_weights is not None:
+        if topology is not None:  # unused in dynamic mode, but a wrong one is still a bug
+            _topology_for(topology, group)  # type: ignore[arg-type]
         sw = check_weight(self_weight, "self_weight")
         weights = check_weights(src_weights, "src_weights", size, me)
         sources = sorted(weights)
@@ -313,8 +315,12 @@ def neighbor_allgather(
             graph = _topology_for(topology, group)
             sources, dsts = list(graph.in_neighbors(me)), list(graph.out_neighbors(me))
         else:
+            if topology is not None:  # unused in dynamic mode, but a wrong one is still a bug
+                _topology_for(topology, group)
             sources = check_rank_list(src_ranks, "src_ranks", size, me)
             dsts = check_rank_list(dst_ranks, "dst_ranks", size, me)
+        check_flag(check_topology, "check_topology", op)
+        check_flag(async_op, "async_op", op)
     except (TypeError, ValueError) as err:
         explicit = src_ranks is not None or dst_ranks is not None
         peers = _named_peers(topology, src_ranks, dst_ranks, group, explicit)

@@ -68,8 +68,14 @@ class AdaptWithCombine(DecentralizedOptimizer):
             )
             return
         if self._is_round():
+            try:
+                self._start_rounds()
+            except BaseException:
+                # Nothing half started stays behind, and the next forward tries again (and
+                # raises again after a rank loss) instead of skipping communication.
+                self._pending.clear()
+                raise
             self._started = True
-            self._start_rounds()
 
     @property
     def step_in_progress(self) -> bool:
@@ -78,9 +84,13 @@ class AdaptWithCombine(DecentralizedOptimizer):
 
     def step(self, closure=None):
         """Write the combined parameters, then take the wrapped optimizer's step."""
-        self.synchronize()
+        try:
+            self.synchronize()
+        finally:
+            # A round that failed is over too: the next forward must start (and fail at
+            # once, after a rank loss), not skip communication as a second forward would.
+            self._started = False
         loss = self.optimizer.step(closure)
-        self._started = False
         self.steps += 1
         return loss
 

@@ -114,20 +114,24 @@ class GradientAllreduce(DecentralizedOptimizer):
         self._dirty = False
         self._launch(until_ready=False)
         pending, self._pending = self._pending, []
-        for bucket, handle, _ in pending:
-            if handle is None:
-                continue
-            averaged = handle.wait()
+        try:
+            for bucket, handle, _ in pending:
+                if handle is None:
+                    continue
+                averaged = handle.wait()
 
-            def grad_of(p: torch.Tensor) -> torch.Tensor:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                return p.grad
+                def grad_of(p: torch.Tensor) -> torch.Tensor:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    return p.grad
 
-            bucket.unpack(averaged, grad_of)
-        self._arrivals = dict.fromkeys(self.params, 0)
-        self._ready = [0] * len(self.buckets)
-        self._launched = 0
+                bucket.unpack(averaged, grad_of)
+        finally:
+            # Also after a failed wait (a rank lost): counters left at "launched" would make
+            # every later step skip communication and step on local gradients alone.
+            self._arrivals = dict.fromkeys(self.params, 0)
+            self._ready = [0] * len(self.buckets)
+            self._launched = 0
 
     def step(self, closure=None):
         """Wait for the averaged gradients, then take the wrapped optimizer's step."""

@@ -126,10 +126,12 @@ class WindowPut(_OverWindows, AdaptWithCombine):
     def step(self, closure=None):
         """Combine the window buffers into the parameters, then the wrapped step."""
         pending, self._pending = self._pending, []
-        for bucket, round_, _ in pending:
-            if round_ is not None:
-                bucket.unpack(round_.wait(), lambda p: p.data)
-        self._started = False
+        try:
+            for bucket, round_, _ in pending:
+                if round_ is not None:
+                    bucket.unpack(round_.wait(), lambda p: p.data)
+        finally:
+            self._started = False  # a failed round is over too (see AdaptWithCombine.step)
         self.steps += 1
         return self.optimizer.step(closure)
 

@@ -27,7 +27,7 @@ from gossamer.transport.checks import (
     group_size,
 )
 from gossamer.transport.engine import run, submit
-from gossamer.transport.failures import wait_works
+from gossamer.transport.failures import find_lost, lost_error, wait_works
 from gossamer.transport.handle import Handle
 from gossamer.transport.header import DTYPES, HEADER_LEN, OPS, Header
 from gossamer.transport.liveness import get_liveness
@@ -75,6 +75,7 @@ __all__ = [
     "exchange",
     "exchange_rejected",
     "exchange_surviving",
+    "find_lost",
     "from_bytes",
     "gather_reasons",
     "get_liveness",
@@ -83,6 +84,7 @@ __all__ = [
     "group_size",
     "live_ranks",
     "membership_epoch",
+    "lost_error",
     "nbytes_of",
     "on_membership_change",
     "peer_argument_error",

@@ -48,10 +48,15 @@ def check_tensor(tensor: object, dtypes: Collection[torch.dtype], op: str) -> to
     return tensor
 
 
-def check_flag(value: object, name: str, op: str) -> bool:
-    """Return ``value`` if it is a bool: a truthy ``async_op="no"`` must not pass as True."""
+def check_flag(value: object, name: str, op: str | None = None) -> bool:
+    """Return ``value`` if it is a bool.
+
+    0, 1 and numpy bools are refused too: a flag that is not a bool is almost always an
+    argument in the wrong place.
+    """
     if not isinstance(value, bool):
-        raise TypeError(f"{op}: {name} must be a bool; got {value!r}")
+        where = f"{op}: " if op else ""
+        raise TypeError(f"{where}{name} must be a bool; got {value!r}")
     return value
 
 

@@ -19,7 +19,7 @@ from gossamer import context
 from gossamer.errors import CommunicationTimeout, PeerError, RankLostError
 from gossamer.transport.liveness import BEAT_S, DEAD_AFTER_S, Liveness, get_liveness
 
-__all__ = ["is_backend_error", "lost_error", "translate", "wait_works"]
+__all__ = ["find_lost", "is_backend_error", "lost_error", "translate", "wait_works"]
 
 _POLL_S = 0.25  # how often a failed wait reads the heartbeats
 _CONNECTION = ("closed", "reset", "Broken pipe", "Connection", "pair closure")
@@ -52,6 +52,20 @@ def _find_lost(live: Liveness, patient: bool) -> set[int]:
         if lost or time.monotonic() >= deadline:
             return lost
         time.sleep(_POLL_S)
+
+
+def find_lost(patient: bool = True) -> set[int]:
+    """The ranks the heartbeats show lost (none without peers).
+
+    ``patient``: when none is known lost yet, read the heartbeats for as long as a death
+    takes to show (:data:`~gossamer.transport.liveness.DEAD_AFTER_S` and two beats).
+    """
+    live = get_liveness()
+    if live is None:
+        return set()
+    if live.lost:
+        return set(live.lost)
+    return _find_lost(live, patient)
 
 
 def translate(op: str, peer: int, err: BaseException, live: Liveness | None) -> Exception:

@@ -77,6 +77,7 @@ OPS = (
     "point_to_point",
     # Random-k's values summed over ranks; the header's aux is the (seed, step) of its positions.
     "compressed_allreduce",
+    "barrier",
 )
 
 

@@ -6,14 +6,21 @@ One :class:`Registry` is a component of the runtime (:func:`gossamer.context.run
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import itertools
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from gossamer import context
+from gossamer.transport import get_liveness, lost_error
 from gossamer.transport.engine import Engine
+from gossamer.transport.liveness import STALL_S, Liveness
 from gossamer.windows.service import Service
 
 __all__ = ["Registry", "registry"]
@@ -31,6 +38,41 @@ class Registry:
         self._group: dist.ProcessGroup | None = None
         self._ids = itertools.count(1)
         self._client: ThreadPoolExecutor | None = None
+        # Operations in flight: future -> (what, when it started), for the loss watchdog.
+        self._inflight: dict[concurrent.futures.Future, tuple[str, float]] = {}
+        self._inflight_lock = threading.Lock()
+        live = get_liveness() if context.size() > 1 else None
+        if live is not None:
+            live.on_beat(self._fail_if_lost)
+
+    def watch(self, what: str, done: concurrent.futures.Future) -> None:
+        """Fail ``done`` with RankLostError if it stalls while a rank is found lost.
+
+        A put to a dead rank may never be answered and its connection may never report an
+        error (gloo's receive from any source does not notice one peer's closure), so the
+        heartbeat thread does what the engine's watchdog does for operations.
+        """
+        with self._inflight_lock:
+            self._inflight[done] = (what, time.monotonic())
+
+        def forget(future: concurrent.futures.Future) -> None:
+            with self._inflight_lock:
+                self._inflight.pop(future, None)
+
+        done.add_done_callback(forget)
+
+    def _fail_if_lost(self, live: Liveness) -> None:
+        now = time.monotonic()
+        with self._inflight_lock:
+            stalled = [(f, w) for f, (w, t) in self._inflight.items() if now - t >= STALL_S]
+        if not stalled:
+            return
+        lost = live.check()
+        if not lost:
+            return
+        for future, what in stalled:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # completed
+                future.set_exception(lost_error(what, lost))
 
     def names(self) -> list[str]:
         """Names of the live windows, sorted."""
@@ -44,7 +86,9 @@ class Registry:
         """The progress service, started if needed (collective on first use); None alone."""
         if self.service is None and context.size() > 1:
             if self._group is None:
-                self._group = dist.new_group(backend="gloo")
+                self._group = dist.new_group(
+                    backend="gloo", timeout=timedelta(seconds=context.timeout())
+                )
             self.service = Service(self._group)
         return self.service
 
@@ -68,6 +112,9 @@ class Registry:
             except Exception:  # shutdown must go on even if a peer is gone
                 self.windows.pop(window.name, None)
         self.windows.clear()
+        if self.service is not None:  # a free failed (a rank was lost): stop without peers
+            service, self.service = self.service, None
+            service.abort()
         if self._client is not None:
             self._client.shutdown(wait=False)
             self._client = None

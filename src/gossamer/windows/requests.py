@@ -12,7 +12,8 @@ import threading
 from collections.abc import Callable
 
 from gossamer import context
-from gossamer.transport import Handle
+from gossamer.errors import CommunicationTimeout, PeerArgumentError, PeerError, RankLostError
+from gossamer.transport import Handle, find_lost, get_liveness, lost_error
 from gossamer.windows.locks import remote_locks
 from gossamer.windows.registry import registry
 from gossamer.windows.service import WindowState
@@ -20,7 +21,36 @@ from gossamer.windows.service import WindowState
 __all__ = ["issue"]
 
 
-def _when_all(posted: list, finish, done: concurrent.futures.Future) -> None:
+def named(what: str, err: BaseException) -> BaseException:
+    """``err``, or :class:`RankLostError` naming the dead ranks if a death explains it.
+
+    A peer's death shows in a window operation as a refused connection, a failed window
+    service or a timeout; the heartbeats tell which rank died.
+    """
+    if not isinstance(err, PeerError | CommunicationTimeout) or isinstance(
+        err, RankLostError | PeerArgumentError
+    ):
+        return err
+    lost = find_lost()
+    if not lost:
+        return err
+    found = lost_error(what, lost)
+    found.__cause__ = err
+    return found
+
+
+def _settle(done: concurrent.futures.Future, error: BaseException | None = None) -> None:
+    """Complete ``done`` unless the loss watchdog already failed it."""
+    try:
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _when_all(what: str, posted: list, finish, done: concurrent.futures.Future) -> None:
     """Complete ``done`` (after ``finish``) once every posted request is answered."""
     left = [len(posted)]
     keep = [sends for _, sends in posted]  # the send buffers must outlive the sends
@@ -32,7 +62,7 @@ def _when_all(posted: list, finish, done: concurrent.futures.Future) -> None:
             if done.done():
                 return
             if error is not None:
-                done.set_exception(error)
+                _settle(done, named(what, error))
                 return
             left[0] -= 1
             last = left[0] == 0
@@ -40,9 +70,9 @@ def _when_all(posted: list, finish, done: concurrent.futures.Future) -> None:
             keep.clear()
             try:
                 finish()
-                done.set_result(None)
+                _settle(done)
             except BaseException as err:
-                done.set_exception(err)
+                _settle(done, err)
 
     for future, _ in posted:
         future.add_done_callback(one)
@@ -66,7 +96,7 @@ def issue(
         try:
             if svc is None or not requests:
                 finish()
-                done.set_result(None)
+                _settle(done)
             elif require_mutex:
                 for peer, kind, payload, value, codec in requests:
                     with remote_locks(svc, state, [peer]):
@@ -75,19 +105,23 @@ def issue(
                         )
                         svc.wait(what, peer, future, sends)
                 finish()
-                done.set_result(None)
+                _settle(done)
             else:
                 posted = [
                     svc.request(kind, peer, state.wid, payload=payload, value=value, codec=codec)
                     for peer, kind, payload, value, codec in requests
                 ]
-                _when_all(posted, finish, done)
+                _when_all(what, posted, finish, done)
         except BaseException as err:  # handed to the caller through the handle
-            done.set_exception(err)
+            _settle(done, named(what, err))
 
+    live = get_liveness() if context.size() > 1 else None
+    if live is not None and live.lost:  # the job is broken: fail at once
+        raise lost_error(what, live.lost)
     if context.size() == 1:
         post()
     else:
+        windows.watch(what, done)
         windows.client().submit(post)
     handle = Handle(done, what, context.timeout())
     return handle if async_op else handle.wait()

@@ -24,24 +24,37 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import Enum
 
 import torch
 import torch.distributed as dist
 
 from gossamer import context
+from gossamer.combine import add_into
 from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.errors import CommunicationTimeout, PeerError, WindowError
 from gossamer.profiling import count_sent
-from gossamer.transport import HEADER_LEN, Header
+from gossamer.transport import (
+    DTYPES,
+    HEADER_LEN,
+    Header,
+    as_bytes,
+    get_liveness,
+    lost_error,
+    nbytes_of,
+)
 
 __all__ = ["COMPRESSED", "WINDOW_DTYPES", "Kind", "Service", "WindowState", "compressed_message"]
 
 logger = logging.getLogger("gossamer.windows")
 
 _HEADER_TAG = 0x7701
+# How long the progress thread may wait for the next request (a window may sit unused).
+_IDLE = timedelta(days=365)
 _PAYLOAD_TAG_BASE = 1 << 20
-WINDOW_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+# Payloads travel as bytes (gloo has no kernels for some dtypes), so any dtype with a wire code.
+WINDOW_DTYPES = DTYPES
 # The header codec of a compressed put or accumulate: the payload names its compressor.
 COMPRESSED = 1
 
@@ -97,6 +110,11 @@ class WindowState:
         if peer not in self.staging:
             self.staging[peer] = torch.empty(self.tensor.shape, dtype=self.tensor.dtype)
         return self.staging[peer]
+
+
+def _drain(h: Header) -> torch.Tensor:
+    """Bytes to receive (and drop) the payload that header ``h`` announced."""
+    return torch.empty(nbytes_of(h.dtype, h.numel), dtype=torch.uint8)
 
 
 def _header(
@@ -174,7 +192,8 @@ class Service:
             sends = [(self.group.send([head], target, _HEADER_TAG), head)]
             if payload is not None:
                 tag = _PAYLOAD_TAG_BASE + req % (1 << 30)
-                sends.append((self.group.send([payload], target, tag), payload))
+                data = as_bytes(payload)
+                sends.append((self.group.send([data], target, tag), data))
         except RuntimeError as err:
             with self._lock:
                 self._pending.pop(req, None)
@@ -225,6 +244,16 @@ class Service:
         deadline = context.timeout()
         while not event.wait(timeout=min(deadline, 1.0)):
             self.check()
+            with state.lock:
+                holder = mutex.holder
+            if holder and holder[0] == "remote":
+                live = get_liveness()
+                if live is not None and holder[1] in live.check():
+                    with state.lock:
+                        mutex.waiters = deque(w for w in mutex.waiters if w[1] is not event)
+                    raise lost_error(
+                        f"window {state.name!r}: mutex slot {slot} of rank {self.rank}", {holder[1]}
+                    )
             deadline -= 1.0
             if deadline <= 0:
                 with state.lock:
@@ -298,7 +327,9 @@ class Service:
             encoded = torch.empty(HEADER_LEN, dtype=torch.int64)
             try:
                 work = self.group.recv_anysource([encoded], _HEADER_TAG)
-                work.wait()
+                # Waiting for the next request is idle time, not a deadline: the group's
+                # timeout (the runtime's) bounds every other wait of the service.
+                work.wait(_IDLE)
                 src = work._source_rank()
                 head = Header.decode(encoded)
                 try:
@@ -374,18 +405,18 @@ class Service:
             or state.tensor.numel() != h.numel
             or state.tensor.dtype != h.dtype
         ):
-            self._recv_payload(src, req, torch.empty(h.numel, dtype=h.dtype))  # drain
+            self._recv_payload(src, req, _drain(h))
             self._post(src, _header(Kind.NACK, wid, req))
             return
         stage = state.stage(src)
-        self._recv_payload(src, req, stage)
+        self._recv_payload(src, req, as_bytes(stage))
         with state.lock:
             if kind == Kind.PUT:
                 state.buffers[src].copy_(stage)
                 state.versions[src] += 1
                 state.p_buffers[src] = value
             else:
-                state.buffers[src].add_(stage)
+                add_into(state.buffers[src], stage)
                 state.p_buffers[src] += value
         self._post(src, _header(Kind.ACK, wid, req))
 
@@ -400,15 +431,15 @@ class Service:
         self._post(
             src,
             _header(Kind.REPLY, wid, req, copy.numel(), copy.dtype),
-            copy,
+            as_bytes(copy),
             _PAYLOAD_TAG_BASE + req % (1 << 30),
         )
 
     def _on_reply(self, kind: Kind, src: int, h: Header) -> None:
         wid, req = h.aux, h.seq
         state = self._state(wid)
-        stage = state.stage(src) if state is not None else torch.empty(h.numel, dtype=h.dtype)
-        self._recv_payload(src, req, stage)
+        stage = state.stage(src) if state is not None else None
+        self._recv_payload(src, req, _drain(h) if stage is None else as_bytes(stage))
         if state is not None:
             with state.lock:
                 state.buffers[src].copy_(stage)
@@ -453,6 +484,19 @@ class Service:
         self._post(src, _header(Kind.ACK, h.aux, h.seq))
 
     # ------------------------------------------------------------------ lifecycle
+    def abort(self) -> None:
+        """Stop without the peers (a rank was lost, so the collective stop cannot run).
+
+        Aborting the group ends the progress thread's pending receive: a thread left inside
+        gloo's wait when the interpreter exits would abort the process.
+        """
+        try:
+            self.group.abort()
+        except Exception:  # already broken: nothing is left to end
+            logger.debug("window service: abort failed", exc_info=True)
+        self._thread.join(timeout=2.0)
+        self._sends.put(None)
+
     def stop(self) -> None:
         """Collective: every rank tells its successor's thread to stop, then joins its own."""
         if self.size > 1 and self._broken is None:

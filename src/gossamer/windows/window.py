@@ -28,12 +28,20 @@ import torch
 import torch.distributed as dist
 
 from gossamer import context, transport
-from gossamer.combine import is_uniform, weighted_sum
+from gossamer.combine import is_uniform, scale, weighted_sum
 from gossamer.compression import Compressor, for_rank, get_compressor
 from gossamer.errors import WindowError
 from gossamer.ops.defaults import get_topology
 from gossamer.topology import Topology
-from gossamer.transport import Handle, check_flag, check_rank, check_weight, check_weights
+from gossamer.transport import (
+    Handle,
+    check_flag,
+    check_rank,
+    check_same_call,
+    check_weight,
+    check_weights,
+    reject,
+)
 from gossamer.windows.locks import local_locks, remote_locks
 from gossamer.windows.registry import registry
 from gossamer.windows.requests import issue
@@ -54,6 +62,11 @@ def live_windows() -> list[str]:
         return []
     found = context.runtime().find("windows")
     return [] if found is None else found.names()
+
+
+def _create_rejected(reason: str) -> None:
+    """This rank's part of a ``Window.create`` whose arguments it rejected."""
+    check_same_call("window_create", None, None, rejection=reason)
 
 
 class Window:
@@ -95,30 +108,44 @@ class Window:
         weights start at 0 and this rank's own ``p`` at 1. The window captures the topology
         (``topology`` or the default), which cannot change while windows exist.
 
+        Any dtype of :data:`gossamer.transport.DTYPES` (payloads travel as bytes). Weighted
+        puts, gets and updates of integer and bool windows are computed in float64 and rounded
+        to the nearest integer; accumulates add in the window's dtype, wrapping around as its
+        integer arithmetic does (bool: a logical or) -- see :mod:`gossamer.combine`.
+
         Raises:
-            TypeError: not a tensor, or a dtype other than float32/64, int32/64.
+            TypeError: not a tensor, a dtype without a wire code, or a flag that is not a bool.
             ValueError: a name already in use. PeerError: ranks passed different shapes.
+            PeerArgumentError: on the other ranks, when a rank rejected its arguments.
         """
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in WINDOW_DTYPES:
-            raise TypeError(
-                "Window.create: tensor must be a torch.Tensor of float32, float64, int32 or "
-                f"int64; got {getattr(tensor, 'dtype', type(tensor).__name__)}"
-            )
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"Window.create: name must be a str; got {name!r}")
-        check_flag(zero_init, "zero_init", "Window.create")
-        check_flag(push_sum, "push_sum", "Window.create")
         windows = registry()
-        if name in windows.windows:
-            raise ValueError(f"Window.create: a window named {name!r} already exists")
-        graph = (
-            get_topology()
-            if topology is None
-            else transport.check_topology(topology, None, "topology")
-        )
+        try:
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype not in WINDOW_DTYPES:
+                raise TypeError(
+                    "Window.create: tensor must be a torch.Tensor of a dtype in "
+                    "gossamer.transport.DTYPES; got "
+                    f"{getattr(tensor, 'dtype', type(tensor).__name__)}"
+                )
+            if tensor.is_sparse:
+                raise TypeError("Window.create: tensor must be dense; got a sparse tensor")
+            check_flag(zero_init, "zero_init", "Window.create")
+            check_flag(push_sum, "push_sum", "Window.create")
+            if name is not None and not isinstance(name, str):
+                raise TypeError(f"Window.create: name must be a str; got {name!r}")
+            if name in windows.windows:
+                raise ValueError(f"Window.create: a window named {name!r} already exists")
+            graph = (
+                get_topology()
+                if topology is None
+                else transport.check_topology(topology, None, "topology")
+            )
+        except (TypeError, ValueError) as err:
+            # Creation is collective: the others learn why instead of waiting for this rank.
+            reject("window_create", err, None, _create_rejected)
+            raise
 
         def body() -> Window:
-            transport.check_same_call("window_create", tensor, None)
+            check_same_call("window_create", tensor, None)
             wid = windows.next_id()
             service = windows.start_service()
             me = context.rank()
@@ -332,6 +359,8 @@ class Window:
     ):
         what = f"Window.{kind.name.lower()} on {self.name!r}"
         state = self._require()
+        check_flag(require_mutex, "require_mutex", what)
+        check_flag(async_op, "async_op", what)
         x = state.tensor if tensor is None else tensor
         if (
             not isinstance(x, torch.Tensor)
@@ -352,9 +381,7 @@ class Window:
         p = state.p
         requests = []
         for dst, w in sorted(dsts.items(), key=lambda d: (d[0] - me) % n):  # clockwise
-            # Cast back: an integer window scaled by a float weight would otherwise send a
-            # float payload, which the target refuses (dtype mismatch).
-            target = host if w == 1.0 else (host * w).to(host.dtype)
+            target = host if w == 1.0 else scale(host, w)
             value = w * p if state.push_sum else 0.0
             if compressor is None:
                 requests.append((dst, kind, target, value))
@@ -365,10 +392,7 @@ class Window:
         def finish() -> None:
             if sw is not None and sw != 1.0:
                 with torch.no_grad():
-                    if x.is_floating_point():
-                        x.mul_(sw)
-                    else:  # an integer tensor cannot take a float in place: scale, truncate
-                        x.copy_(x * sw)
+                    x.copy_(scale(x, sw))
                 if state.push_sum:
                     state.p *= sw
 
@@ -445,6 +469,8 @@ class Window:
         """
         what = f"Window.get on {self.name!r}"
         state = self._require()
+        check_flag(require_mutex, "require_mutex", what)
+        check_flag(async_op, "async_op", what)
         me, n = context.rank(), context.size()
         srcs = (
             dict.fromkeys(self.in_neighbors, 1.0)
@@ -460,7 +486,7 @@ class Window:
             with state.lock:
                 for src, w in srcs.items():
                     if w != 1.0:
-                        state.buffers[src].mul_(w)
+                        state.buffers[src].copy_(scale(state.buffers[src], w))
 
         requests = [(src, Kind.GET, None, 0.0) for src in sorted(srcs)]
         return issue(self._require(), what, requests, require_mutex, finish, async_op)
@@ -489,6 +515,8 @@ class Window:
         """
         state = self._require()
         me, n = context.rank(), context.size()
+        for flag, value in (("reset", reset), ("clone", clone), ("require_mutex", require_mutex)):
+            check_flag(value, flag, "Window.update")
         if (self_weight is None) != (src_weights is None):
             raise ValueError("Window.update: self_weight and src_weights must be given together")
         for flag, value in (("reset", reset), ("clone", clone), ("require_mutex", require_mutex)):
@@ -500,9 +528,8 @@ class Window:
             weights = check_weights(
                 src_weights, "src_weights", n, me, self.in_neighbors, "in-neighbours"
             )
-        # Not all(...) over the weights alone: with no in-neighbours that is vacuously true
-        # and would drop a self weight other than 1.
-        uniform = src_weights is None and is_uniform(sw, weights, self.in_neighbors)
+        # Uniform only if the self weight is too: with no in-neighbours it must be 1.
+        uniform = src_weights is None and is_uniform(sw, weights, list(weights))
         slots = sorted(weights) if require_mutex else []
         with local_locks(registry().service, state, slots), state.lock:
             x = state.tensor
@@ -528,6 +555,7 @@ class Window:
 
     def update_then_collect(self, *, require_mutex: bool = True) -> torch.Tensor:
         r""":math:`x \leftarrow x + \sum_s b[s]`, then zero the buffers (a second call adds 0)."""
+        check_flag(require_mutex, "require_mutex", "Window.update_then_collect")
         return self.update(
             self_weight=1.0,
             src_weights=dict.fromkeys(self.in_neighbors, 1.0),

@@ -1,0 +1,211 @@
+"""Bugs a fuzzer found: each case failed before its fix.
+
+- flags (``async_op``, ``zero_init``, ``reset``, ``clone``, ``require_mutex``, ...) that are
+  not bools were accepted silently;
+- integer windows crashed in ``Window.update`` and in weighted puts;
+- ``Window.update`` with no in-neighbours dropped the topology's self weight;
+- dynamic neighbour calls ignored a wrong ``topology=``;
+- an optimizer's error named ``threshold_bytes`` (not its ``fusion_threshold_bytes``);
+- ``communication=""`` was taken for the default.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import gossamer
+from gossamer import topology as topo
+from gossamer.errors import TopologyError
+from gossamer.optim import AdaptThenCombine, AdaptWithCombine, GradientAllreduce
+from gossamer.testing import run_distributed
+
+NOT_BOOLS = [1, 0, None, "yes", 1.0, np.bool_(True)]
+
+
+def _flag_calls(value):
+    """``{description: (call, argument name)}`` for every flag of every public call."""
+    x = torch.ones(2)
+    win = gossamer.Window.create(torch.ones(2), name="flags")
+    calls = {
+        "allreduce async_op": (lambda: gossamer.allreduce(x, async_op=value), "async_op"),
+        "allreduce average": (lambda: gossamer.allreduce(x, average=value), "average"),
+        "allreduce_ async_op": (lambda: gossamer.allreduce_(x, async_op=value), "async_op"),
+        "broadcast async_op": (lambda: gossamer.broadcast(x, root=0, async_op=value), "async_op"),
+        "allgather async_op": (lambda: gossamer.allgather(x, async_op=value), "async_op"),
+        "alltoall async_op": (lambda: gossamer.alltoall(x, async_op=value), "async_op"),
+        "barrier async_op": (lambda: gossamer.barrier(async_op=value), "async_op"),
+        "neighbor_allreduce async_op": (
+            lambda: gossamer.neighbor_allreduce(x, async_op=value),
+            "async_op",
+        ),
+        "neighbor_allreduce check_topology": (
+            lambda: gossamer.neighbor_allreduce(x, check_topology=value),
+            "check_topology",
+        ),
+        "neighbor_allgather async_op": (
+            lambda: gossamer.neighbor_allgather(x, async_op=value),
+            "async_op",
+        ),
+        "neighbor_allgather check_topology": (
+            lambda: gossamer.neighbor_allgather(x, check_topology=value),
+            "check_topology",
+        ),
+        "Window.create zero_init": (
+            lambda: gossamer.Window.create(torch.ones(2), zero_init=value),
+            "zero_init",
+        ),
+        "Window.create push_sum": (
+            lambda: gossamer.Window.create(torch.ones(2), push_sum=value),
+            "push_sum",
+        ),
+        "put async_op": (lambda: win.put(async_op=value), "async_op"),
+        "put require_mutex": (lambda: win.put(require_mutex=value), "require_mutex"),
+        "accumulate async_op": (lambda: win.accumulate(async_op=value), "async_op"),
+        "accumulate require_mutex": (
+            lambda: win.accumulate(require_mutex=value),
+            "require_mutex",
+        ),
+        "get async_op": (lambda: win.get(async_op=value), "async_op"),
+        "get require_mutex": (lambda: win.get(require_mutex=value), "require_mutex"),
+        "update reset": (lambda: win.update(reset=value), "reset"),
+        "update clone": (lambda: win.update(clone=value), "clone"),
+        "update require_mutex": (lambda: win.update(require_mutex=value), "require_mutex"),
+        "update_then_collect require_mutex": (
+            lambda: win.update_then_collect(require_mutex=value),
+            "require_mutex",
+        ),
+    }
+    return win, calls
+
+
+def _flags_rejected():
+    failures = []
+    for value in NOT_BOOLS:
+        win, calls = _flag_calls(value)
+        for what, (fn, name) in calls.items():
+            try:
+                fn()
+            except TypeError as err:
+                if name not in str(err) or repr(value) not in str(err):
+                    failures.append(f"{what}={value!r}: message {err}")
+            else:
+                failures.append(f"{what}={value!r} was accepted")
+        win.free()
+    # Nothing was left half done: the next calls work.
+    assert torch.equal(gossamer.allreduce(torch.ones(2)), torch.ones(2))
+    return failures
+
+
+def test_non_bool_flags_are_type_errors():
+    assert run_distributed(_flags_rejected, 1) == [[]]
+
+
+def _int_windows(dtype):
+    r, n = gossamer.rank(), gossamer.size()
+    x = torch.tensor([10 * (r + 1), -7 * (r + 1), 3], dtype=dtype)
+    with gossamer.Window.create(x.clone(), name="ints") as win:
+        gossamer.barrier()
+        win.put(dst_weights=dict.fromkeys(win.out_neighbors, 0.5), self_weight=0.25)
+        gossamer.barrier()
+        after_put = win.tensor.clone()
+        bufs = win.buffers()
+        uniform = win.update(clone=True)
+        weighted = win.update(
+            self_weight=0.5, src_weights=dict.fromkeys(win.in_neighbors, 0.25), clone=True
+        )
+        gossamer.barrier()
+    return after_put, bufs, uniform, weighted, n
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_integer_window_weighted_put_and_update(dtype):
+    """Weights apply in float64, rounded to the nearest integer (halves to even)."""
+    got = run_distributed(_int_windows, 2, args=(dtype,))
+
+    def x(r):
+        return np.array([10 * (r + 1), -7 * (r + 1), 3], dtype=np.float64)
+
+    for r, (after_put, bufs, uniform, weighted, _) in enumerate(got):
+        s = 1 - r
+        mine = np.round(0.25 * x(r))
+        assert after_put.dtype == dtype
+        np.testing.assert_array_equal(after_put.numpy(), mine)
+        np.testing.assert_array_equal(bufs[s].numpy(), np.round(0.5 * x(s)))
+        # ring of 2: uniform weights 1/2
+        np.testing.assert_array_equal(uniform.numpy(), np.round((mine + np.round(0.5 * x(s))) / 2))
+        np.testing.assert_array_equal(
+            weighted.numpy(), np.round(0.5 * mine + 0.25 * np.round(0.5 * x(s)))
+        )
+
+
+def _no_in_neighbours():
+    r = gossamer.rank()
+    # Column 0 has no edge into rank 0: it keeps half of its own value and nothing else.
+    graph = topo.Topology([[0.5, 0.5], [0.0, 1.0]])
+    x = torch.tensor([4.0, -2.0]) * (r + 1)
+    with gossamer.Window.create(x.clone(), topology=graph) as win:
+        gossamer.barrier()
+        win.put()
+        gossamer.barrier()
+        out = win.update(clone=True)
+        gossamer.barrier()
+    return out
+
+
+def test_update_without_in_neighbours_keeps_self_weight():
+    got = run_distributed(_no_in_neighbours, 2)
+    torch.testing.assert_close(got[0], 0.5 * torch.tensor([4.0, -2.0]))
+    torch.testing.assert_close(
+        got[1], 1.0 * torch.tensor([8.0, -4.0]) + 0.5 * torch.tensor([4.0, -2.0])
+    )
+
+
+def _dynamic_wrong_topology():
+    x = torch.ones(2)
+    errors = []
+    for fn in (
+        lambda t: gossamer.neighbor_allreduce(
+            x, self_weight=1.0, src_weights={}, dst_weights=[], topology=t
+        ),
+        lambda t: gossamer.neighbor_allgather(x, src_ranks=[], dst_ranks=[], topology=t),
+    ):
+        for bad, kind in ((topo.ring(3), TopologyError), ("ring", TypeError)):
+            try:
+                fn(bad)
+            except kind as err:
+                errors.append("topology" in str(err))
+            else:
+                errors.append(False)
+    return errors
+
+
+def test_dynamic_neighbour_calls_check_topology():
+    assert run_distributed(_dynamic_wrong_topology, 1) == [[True] * 4]
+
+
+def _optimizer_arguments():
+    model = torch.nn.Linear(2, 1)
+    messages = []
+    for cls in (AdaptWithCombine, AdaptThenCombine, GradientAllreduce):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for bad in (-1, 1.5, "8MB", True):
+            try:
+                cls(opt, model, fusion_threshold_bytes=bad)
+            except ValueError as err:
+                messages.append("fusion_threshold_bytes" in str(err) and repr(bad) in str(err))
+            else:
+                messages.append(False)
+    for cls in (AdaptWithCombine, AdaptThenCombine):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            cls(opt, model, communication="")
+        except ValueError as err:
+            messages.append("communication" in str(err) and "''" in str(err))
+        else:
+            messages.append(False)
+    return messages
+
+
+def test_optimizer_arguments_are_named():
+    (messages,) = run_distributed(_optimizer_arguments, 1)
+    assert messages and all(messages), messages
