@@ -345,9 +345,10 @@ def case_optimizer(draw):
         return
     try:
         assert made.num_steps_per_communication == args["num_steps_per_communication"].value
+        # Before backward: overlapped adapt-then-combine steps during backward.
+        before = [p.detach().clone() for p in model.parameters()]
         loss = model(torch.ones(4, 3)).pow(2).sum()
         loss.backward()
-        before = [p.detach().clone() for p in model.parameters()]
         made.step()
         grads = [p.grad for p in model.parameters()]
         made.synchronize()
