@@ -141,7 +141,9 @@ def _clumping(model, base, s):
 def _skewscout(model, base, s):
     atc = optim.AdaptThenCombine(base, model, topology=s.graph)
     x, y = s.probe
-    control = optim.PeriodController(threshold=0.05, min_period=1, max_period=16)
+    control = optim.PeriodController(
+        threshold=s.args.skewscout_threshold, min_period=1, max_period=s.args.skewscout_max_period
+    )
     return optim.SkewScout(
         atc, lambda m: _accuracy(m, x, y), controller=control, probe_every=s.args.probe_every
     )
@@ -545,6 +547,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="default 250, --quick 64")
     parser.add_argument("--eval-every", type=int, default=None, help="default 25, --quick 16")
     parser.add_argument("--probe-every", type=int, default=10, help="SkewScout's")
+    parser.add_argument(
+        "--skewscout-threshold", type=float, default=0.05, help="accuracy loss that shortens"
+    )
+    parser.add_argument("--skewscout-max-period", type=int, default=16)
     parser.add_argument("--batch", type=int, default=16, help="images per rank per step")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--delay-ms", type=float, default=5.0, help="fast ranks' sleep")
@@ -569,7 +575,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.eval_every = 16 if args.quick else 25
     if args.graphs is None:
         args.graphs = ["ring"] if args.quick else list(GRAPHS)
-    for name in ("ranks", "steps", "eval_every", "probe_every", "batch"):
+    for name in ("ranks", "steps", "eval_every", "probe_every", "batch", "skewscout_max_period"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args

@@ -8,6 +8,7 @@ says what one communication round does (which operation, which weights). Subclas
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 
@@ -257,3 +258,18 @@ def _communicator(communicator: object, options: dict) -> Communicator:
             "option of the communicator"
         )
     return communicator
+
+
+class NoSync:
+    """``no_sync()`` for optimizers that communicate from the backward pass (as DDP's)."""
+
+    _no_sync = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients locally, without communication."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous

@@ -8,19 +8,16 @@ always pair up.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 from gossamer.communicators import Communicator
 from gossamer.compression import Compressor
-from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.optim.base import DecentralizedOptimizer, NoSync
 
 __all__ = ["GradientAllreduce"]
 
 
-class GradientAllreduce(DecentralizedOptimizer):
+class GradientAllreduce(NoSync, DecentralizedOptimizer):
     """Average the gradients over all ranks during the backward pass, then step.
 
     ``compression="topk:0.01"`` (or any compressor) averages through a
@@ -62,19 +59,9 @@ class GradientAllreduce(DecentralizedOptimizer):
         self._arrivals = dict.fromkeys(self.params, 0)
         self._ready = [0] * len(self.buckets)
         self._launched = 0
-        self._no_sync = False
         self._dirty = False  # a gradient arrived since the last synchronize
         self._accumulating = False  # a gradient arrived since the last step
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally, without communication."""
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
 
     @property
     def step_in_progress(self) -> bool:

@@ -10,14 +10,13 @@ whose result the module must wait for (:func:`module_buckets`).
 from __future__ import annotations
 
 import abc
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from gossamer.fusion import Bucket
-from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.optim.base import DecentralizedOptimizer, NoSync
 
 __all__ = ["Arrivals", "BucketwiseOptimizer", "module_buckets"]
 
@@ -92,7 +91,7 @@ def module_buckets(
     return found
 
 
-class BucketwiseOptimizer(DecentralizedOptimizer, abc.ABC):
+class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
     """An optimizer that takes the local step bucket by bucket, from the backward pass.
 
     With ``overlap=True``, on communication steps, the post-accumulate-grad hook of each
@@ -117,20 +116,10 @@ class BucketwiseOptimizer(DecentralizedOptimizer, abc.ABC):
         # Buckets stepped in this step and not queued yet: index -> (what to send, finish).
         self._ready: dict[int, tuple[torch.Tensor, Callable | None]] = {}
         self._queued = 0  # buckets 0.._queued-1 are queued in this step
-        self._no_sync = False
         if overlap:
             self._hooks += [
                 p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params
             ]
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate gradients (no local step, no exchange)."""
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
 
     @property
     def step_in_progress(self) -> bool:
