@@ -185,7 +185,8 @@ def _undirected(name):
     def build(model, base, s):
         adjacency = s.graph.adjacency
         graph = topo.metropolis_hastings_weights((adjacency + adjacency.T) > 0)
-        return _built(LATER[name])(base, model, topology=graph)
+        extra = {"compression": s.args.compngc_compression} if name == "compngc" else {}
+        return _built(LATER[name])(base, model, topology=graph, **extra)
 
     return build
 
@@ -551,6 +552,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--skewscout-threshold", type=float, default=0.05, help="accuracy loss that shortens"
     )
     parser.add_argument("--skewscout-max-period", type=int, default=16)
+    parser.add_argument(
+        "--compngc-compression", default="topk:0.03", help="CompNGC's cross-gradient compressor"
+    )
     parser.add_argument("--batch", type=int, default=16, help="images per rank per step")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--delay-ms", type=float, default=5.0, help="fast ranks' sleep")
