@@ -44,6 +44,8 @@ ONE_PEER = (
     "awc/one-peer",
     "raw/one-peer",
     "raw-exchange/one-peer",
+    "raw-exchange/shift",
+    "raw-exchange/swap",
     "raw-overlap/one-peer",
     "gossamer-exchange/one-peer",
     "bagua-decentralized",

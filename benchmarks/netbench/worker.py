@@ -13,6 +13,7 @@ runner subtracts to get the communication time. Rank 0 writes one JSON row per m
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -46,6 +47,8 @@ STRATEGIES = (
     "awc/one-peer",
     "raw/one-peer",
     "raw-exchange/one-peer",
+    "raw-exchange/shift",
+    "raw-exchange/swap",
     "raw-overlap/one-peer",
     "gossamer-exchange/one-peer",
     "choco-uint8/one-peer",
@@ -235,6 +238,13 @@ def wrap_bagua(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
     return model.with_bagua([optimizer], algorithm), BaguaStep(optimizer, model)
 
 
+def _fixed_peer(offset: int):
+    """A schedule that sends to rank + offset and receives from rank - offset every step."""
+    size, rank = gossamer.size(), gossamer.rank()
+    send, recv = (rank + offset) % size, (rank - offset) % size
+    return itertools.repeat(topo.Step((send,), (recv,), 0.5, {recv: 0.5}, {send: 1.0}))
+
+
 def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
     """The model to call and the optimizer to step for ``strategy``, around ``sgd``."""
     size, rank = gossamer.size(), gossamer.rank()
@@ -256,6 +266,11 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         return model, optim.AdaptWithCombine(sgd, model, schedule=schedule)
     if strategy in ("raw/one-peer", "raw-exchange/one-peer"):
         return model, RawOnePeer(sgd, model)
+    if strategy in ("raw-exchange/shift", "raw-exchange/swap"):
+        # The two halves of the 4-rank one-peer schedule, alone: a shift, and a pair swap.
+        raw = RawOnePeer(sgd, model)
+        raw.schedule = _fixed_peer(1 if strategy.endswith("shift") else size // 2)
+        return model, raw
     if strategy == "gossamer-exchange/one-peer":
         return model, GossamerExchange(sgd, model)
     if strategy == "raw-overlap/one-peer":
@@ -307,7 +322,7 @@ def measure(model_name: str, strategy: str, args: argparse.Namespace) -> dict:
     def step() -> None:
         opt.zero_grad()
         # The exchange-only probe skips compute: SGD then steps nothing (no gradients).
-        if not strategy.endswith("exchange/one-peer"):
+        if "exchange/" not in strategy:
             loss_fn(net(x), y).backward()
         opt.step()
 
