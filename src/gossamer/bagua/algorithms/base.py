@@ -27,6 +27,7 @@ A custom algorithm subclasses both and registers its name::
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import Any
 
@@ -38,12 +39,12 @@ from gossamer.bagua.bucket import BaguaBucket
 __all__ = ["Algorithm", "AlgorithmImpl", "GlobalAlgorithmRegistry"]
 
 
-class Algorithm:
+class Algorithm(abc.ABC):
     """The base of every Bagua algorithm: hyper-parameters only, no process state."""
 
+    @abc.abstractmethod
     def reify(self, process_group: BaguaProcessGroup) -> AlgorithmImpl:
         """Create this algorithm's implementation for ``process_group``."""
-        raise NotImplementedError(f"{type(self).__name__} must implement reify()")
 
     @classmethod
     def init(cls, name: str, **kwargs: Any) -> Algorithm:
