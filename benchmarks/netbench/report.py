@@ -46,6 +46,7 @@ ONE_PEER = (
     "raw-exchange/one-peer",
     "raw-exchange/shift",
     "raw-exchange/swap",
+    "raw-exchange/swap-duplex",
     "raw-overlap/one-peer",
     "gossamer-exchange/one-peer",
     "bagua-decentralized",

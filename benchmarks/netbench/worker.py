@@ -49,6 +49,7 @@ STRATEGIES = (
     "raw-exchange/one-peer",
     "raw-exchange/shift",
     "raw-exchange/swap",
+    "raw-exchange/swap-duplex",
     "raw-overlap/one-peer",
     "gossamer-exchange/one-peer",
     "choco-uint8/one-peer",
@@ -89,21 +90,30 @@ def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+_TWIN: list = []
+
+
 class RawOnePeer:
     """The reference row: after the local step, the flat model exchanged by hand.
 
-    Serial (no overlap): ``batch_isend_irecv`` of the flat parameters with the one-peer
-    exponential schedule's peer, in 32 chunks (one message per direction would serialise a
-    pair swap's two directions on one gloo pair), then the average written back. It is what
-    the wire allows, without gossamer's header, thread or combine.
+    Serial (no overlap): ``isend``/``irecv`` of the flat parameters with the one-peer
+    exponential schedule's peer, in 32 chunks, then the average written back. With
+    ``duplex`` (the default), bytes from a lower to a higher rank travel on the world group
+    and the other way on a second group, as gossamer does: gloo moves the two directions of
+    one pair's connection in turn, so a pair swap on one group runs at half the link
+    (``raw-exchange/swap`` keeps one group to show it). It is what the wire allows, without
+    gossamer's header, thread or combine.
     """
 
-    def __init__(self, sgd: torch.optim.Optimizer, model: nn.Module) -> None:
+    def __init__(self, sgd: torch.optim.Optimizer, model: nn.Module, duplex: bool = True):
         self.sgd, self.params = sgd, list(model.parameters())
         self.flat = torch.cat([p.detach().flatten() for p in self.params])
         self.recv = torch.empty_like(self.flat)
         graph = topo.exponential_two(gossamer.size())
         self.schedule = topo.one_peer_exponential(graph, gossamer.rank())
+        if duplex and not _TWIN:  # collective: every rank builds the same rows in order
+            _TWIN.append(dist.new_group(list(range(gossamer.size()))))
+        self.twin = _TWIN[0] if duplex else None
 
     def zero_grad(self) -> None:
         """As ``torch.optim.Optimizer.zero_grad``."""
@@ -120,10 +130,13 @@ class RawOnePeer:
         torch.cat([p.detach().flatten() for p in self.params], out=self.flat)
         step = next(self.schedule)
         (dst,), (src,) = step.send_ranks, step.recv_ranks
-        sends, recvs = self.flat.tensor_split(32), self.recv.tensor_split(32)
-        ops = [dist.P2POp(dist.isend, c, dst, tag=k) for k, c in enumerate(sends)]
-        ops += [dist.P2POp(dist.irecv, c, src, tag=k) for k, c in enumerate(recvs)]
-        return dist.batch_isend_irecv(ops)
+        rank = gossamer.rank()
+        out = self.twin if rank > dst else None
+        into = self.twin if src > rank else None
+        sends = [dist.isend(c, dst, out, k) for k, c in enumerate(self.flat.tensor_split(32))]
+        return sends + [
+            dist.irecv(c, src, into, k) for k, c in enumerate(self.recv.tensor_split(32))
+        ]
 
     def _average(self) -> None:
         self.flat.add_(self.recv).div_(2)
@@ -266,9 +279,10 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         return model, optim.AdaptWithCombine(sgd, model, schedule=schedule)
     if strategy in ("raw/one-peer", "raw-exchange/one-peer"):
         return model, RawOnePeer(sgd, model)
-    if strategy in ("raw-exchange/shift", "raw-exchange/swap"):
-        # The two halves of the 4-rank one-peer schedule, alone: a shift, and a pair swap.
-        raw = RawOnePeer(sgd, model)
+    if strategy.startswith("raw-exchange/s"):
+        # The two halves of the 4-rank one-peer schedule, alone: a shift, and a pair swap
+        # (on one process group, and with each direction on its own).
+        raw = RawOnePeer(sgd, model, duplex=strategy != "raw-exchange/swap")
         raw.schedule = _fixed_peer(1 if strategy.endswith("shift") else size // 2)
         return model, raw
     if strategy == "gossamer-exchange/one-peer":

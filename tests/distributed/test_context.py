@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 import gossamer
 from gossamer.testing import run_distributed
@@ -34,3 +35,36 @@ def test_uneven_fake_machines_are_not_homogeneous():
     got = run_distributed(_layout, 3, env={"GOSSAMER_NODES_PER_MACHINE": "2"})
     # machine 0 = ranks {0, 1}, machine 1 = rank {2}
     assert got == [(0, 3, 0, 2, 0, 2, False), (1, 3, 1, 2, 0, 2, False), (2, 3, 0, 1, 1, 2, False)]
+
+
+def _reverse_group_size():
+    group = gossamer.context.reverse_group()
+    return None if group is None else group.size()
+
+
+@pytest.mark.parametrize(("world_size", "k", "expected"), [(2, 2, None), (2, 1, 2), (4, 2, 4)])
+def test_reverse_group_spans_the_world_only_across_machines(world_size, k, expected):
+    env = {"GOSSAMER_NODES_PER_MACHINE": str(k)}
+    assert run_distributed(_reverse_group_size, world_size, env=env) == [expected] * world_size
+
+
+def _swap(numel):
+    # Both directions of every pair at once (r <-> r + size/2), large enough to be chunked.
+    size, rank = gossamer.size(), gossamer.rank()
+    peer = (rank + size // 2) % size
+    x = torch.arange(numel, dtype=torch.float32) + rank
+    got = gossamer.neighbor_allreduce(
+        x, self_weight=0.25, src_weights={peer: 0.75}, dst_weights={peer: 1.0}
+    )
+    return got
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pair_swap_across_machines_matches_the_weighted_average(world_size):
+    numel = 700_001
+    env = {"GOSSAMER_NODES_PER_MACHINE": "1"}
+    got = run_distributed(_swap, world_size, args=(numel,), env=env)
+    base = torch.arange(numel, dtype=torch.float32)
+    for rank, y in enumerate(got):
+        peer = (rank + world_size // 2) % world_size
+        torch.testing.assert_close(y, 0.25 * (base + rank) + 0.75 * (base + peer))

@@ -5,7 +5,9 @@ Before its data, every neighbour exchange sends a :class:`~gossamer.transport.he
 from it, so a peer that called another operation or passed another shape produces an error
 naming both sides, not garbage or a hang. Headers and data travel on different tags, so a
 stray data message can never be taken for a header. Data travels as raw bytes
-(:mod:`~gossamer.transport.payload`), so every dtype works on every backend.
+(:mod:`~gossamer.transport.payload`), so every dtype works on every backend. On the world
+group, bytes from a higher to a lower rank travel on :func:`~gossamer.context.reverse_group`
+where there is one, so the two directions of a pair swap use two connections.
 
 :func:`exchange_surviving` is the exchange of elastic gossip. Every transfer is waited for
 on its own, so a transfer with a dead peer fails alone, and the data phase still runs with
@@ -117,10 +119,16 @@ def _post(
     with the error, and not posted to again, instead of stopping the whole batch.
     """
     layout = context.layout()
+    reverse = context.reverse_group() if group is None else None
 
     def pieces(peer: int, tensor: torch.Tensor) -> list[torch.Tensor]:
         remote = layout.machine_of[_global(group, peer)] != layout.machine_rank
         return _chunks(tensor, remote)
+
+    def route(fn, peer: int) -> dist.ProcessGroup | None:
+        # Both ends pick the group from (source, destination) alone, so they always agree.
+        downward = (layout.rank > peer) == (fn is dist.isend)
+        return reverse if reverse is not None and downward else group
 
     posts = [(dist.isend, p, c) for p, t in sends for c in pieces(p, t)]
     posts += [(dist.irecv, p, c) for p, t in recvs for c in pieces(p, t)]
@@ -129,14 +137,19 @@ def _post(
     ops, index = [], {}
     for fn, peer, chunk in posts:
         k = index[fn, peer] = index.get((fn, peer), -1) + 1
-        ops.append(dist.P2POp(fn, chunk, group=group, group_peer=peer, tag=tag + k))
+        ops.append(dist.P2POp(fn, chunk, group=route(fn, peer), group_peer=peer, tag=tag + k))
     peers = [_global(group, p) for _, p, _ in posts]
     if failed is not None:
         return _post_each(ops, peers, failed)
-    works = dist.batch_isend_irecv(ops)
+    # batch_isend_irecv takes one group; on two groups (gloo) it would post one by one too.
+    works = [_post_one(op) for op in ops] if reverse is not None else dist.batch_isend_irecv(ops)
     if len(works) != len(peers):  # a coalescing backend (NCCL) returns one work
         peers = [-1] * len(works)
     return list(zip(peers, works, strict=True))
+
+
+def _post_one(op: dist.P2POp) -> dist.Work:
+    return op.op(op.tensor, group=op.group, tag=op.tag, **{_PEER_ARG[op.op]: op.group_peer})
 
 
 def _post_each(
@@ -148,7 +161,7 @@ def _post_each(
         if peer in failed:
             continue
         try:
-            work = op.op(op.tensor, group=op.group, tag=op.tag, **{_PEER_ARG[op.op]: op.group_peer})
+            work = _post_one(op)
         except RuntimeError as err:
             if not is_backend_error(err):
                 raise
