@@ -34,3 +34,28 @@ def test_uneven_fake_machines_are_not_homogeneous():
     got = run_distributed(_layout, 3, env={"GOSSAMER_NODES_PER_MACHINE": "2"})
     # machine 0 = ranks {0, 1}, machine 1 = rank {2}
     assert got == [(0, 3, 0, 2, 0, 2, False), (1, 3, 1, 2, 0, 2, False), (2, 3, 0, 1, 1, 2, False)]
+
+
+def _nccl_device_check(labels):
+    """The init-time NCCL check over the host group, with each rank's device label given."""
+    import torch
+
+    from gossamer import context
+
+    saved = context._device_label
+    context._device_label = lambda index: labels[gossamer.rank()]
+    try:
+        context._check_nccl_devices(context.layout(), torch.device("cuda", 0), context.host_group())
+    except ValueError as err:
+        return str(err)
+    finally:
+        context._device_label = saved
+    return None
+
+
+def test_nccl_check_raises_on_every_rank_that_shares_a_gpu():
+    # Every rank learns every rank's device, so all raise alike (none is left waiting).
+    shared = run_distributed(_nccl_device_check, 3, args=(["cuda:0 (GPU-a)"] * 3,))
+    assert all("ranks [0, 1, 2] of machine 0 would share cuda:0 (GPU-a)" in e for e in shared)
+    distinct = ["cuda:0 (GPU-a)", "cuda:1 (GPU-b)", "cuda:0 (GPU-c)"]
+    assert run_distributed(_nccl_device_check, 3, args=(distinct,)) == [None] * 3
