@@ -6,6 +6,7 @@ here and in the rank processes, which start with this process's sys.path.
 """
 
 import pytest
+import torch
 
 from gossamer.profiling import timeline
 from gossamer.testing import close_pools
@@ -23,3 +24,13 @@ def timeline_off():
     yield
     if timeline.timeline_enabled():
         timeline.stop_timeline()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skip them where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

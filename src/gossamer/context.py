@@ -40,6 +40,7 @@ __all__ = [
     "on_init",
     "on_shutdown",
     "rank",
+    "shared_device_error",
     "runtime",
     "shutdown",
     "size",
@@ -230,6 +231,43 @@ def _discover_layout(settings: env.Settings, group: dist.ProcessGroup) -> Layout
     return Layout(rank=me, machine_of=tuple(index[k] for k in keys))
 
 
+def _device_label(index: int) -> str:
+    """``cuda:<index>``, with the device's UUID when torch knows it (it names the GPU)."""
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"cuda:{index}" if uuid is None else f"cuda:{index} (GPU-{uuid})"
+
+
+def shared_device_error(machine_of: tuple[int, ...], devices: list[str]) -> str | None:
+    """Why NCCL cannot run this layout, or None: the first device two ranks would share.
+
+    NCCL runs one rank per GPU; two ranks of one machine on the same device fail every
+    operation with ``ncclInvalidUsage``. ``devices[r]`` identifies rank ``r``'s device
+    (a label with its UUID), ``machine_of[r]`` its machine.
+    """
+    users: dict[tuple[int, str], list[int]] = {}
+    for rank, (machine, dev) in enumerate(zip(machine_of, devices, strict=True)):
+        users.setdefault((machine, dev), []).append(rank)
+    for (machine, dev), ranks in users.items():
+        if len(ranks) > 1:
+            on_machine = sum(1 for m in machine_of if m == machine)
+            return (
+                f"backend='nccl': ranks {ranks} of machine {machine} would share {dev}, and "
+                f"NCCL runs one rank per GPU ({on_machine} ranks on that machine). Start at "
+                "most as many ranks per machine as it has visible GPUs (CUDA_VISIBLE_DEVICES), "
+                "or use backend='gloo', which stages CUDA tensors through host memory"
+            )
+    return None
+
+
+def _check_nccl_devices(found: Layout, dev: torch.device, host: dist.ProcessGroup) -> None:
+    """Raise on every rank when two ranks of a machine would share a GPU under NCCL."""
+    devices: list[str | None] = [None] * found.size
+    dist.all_gather_object(devices, _device_label(dev.index), group=host)
+    error = shared_device_error(found.machine_of, devices)  # type: ignore[arg-type]
+    if error is not None:
+        raise ValueError(error)
+
+
 def _gather_on_host(obj: object) -> list[object] | None:
     """Every rank's ``obj`` in rank order on rank 0 (None elsewhere): a host-group collective."""
     state = _require()
@@ -259,7 +297,9 @@ def init(
             without it they cannot. Ignored when gossamer starts the process group itself.
 
     Raises:
-        ValueError: for an unknown backend, NCCL without CUDA, or a non-positive timeout.
+        ValueError: for an unknown backend, NCCL without CUDA, a non-positive timeout, or
+            NCCL with two ranks of a machine on one GPU (more ranks than visible GPUs): the
+            message names the ranks and the device.
 
     Example:
         >>> import gossamer
@@ -299,6 +339,13 @@ def init(
     found = _discover_layout(settings, host)
     if resolved == "nccl":
         dev = torch.device("cuda", found.local_rank % torch.cuda.device_count())
+        # Every rank learns every rank's device, so all raise alike instead of some hanging.
+        try:
+            _check_nccl_devices(found, dev, host)
+        except ValueError:
+            if owns:  # leave nothing behind: the program may init again with gloo
+                dist.destroy_process_group()
+            raise
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")

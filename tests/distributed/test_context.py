@@ -68,3 +68,26 @@ def test_pair_swap_across_machines_matches_the_weighted_average(world_size):
     for rank, y in enumerate(got):
         peer = (rank + world_size // 2) % world_size
         torch.testing.assert_close(y, 0.25 * (base + rank) + 0.75 * (base + peer))
+
+
+def _nccl_device_check(labels):
+    """The init-time NCCL check over the host group, with each rank's device label given."""
+    from gossamer import context
+
+    saved = context._device_label
+    context._device_label = lambda index: labels[gossamer.rank()]
+    try:
+        context._check_nccl_devices(context.layout(), torch.device("cuda", 0), context.host_group())
+    except ValueError as err:
+        return str(err)
+    finally:
+        context._device_label = saved
+    return None
+
+
+def test_nccl_check_raises_on_every_rank_that_shares_a_gpu():
+    # Every rank learns every rank's device, so all raise alike (none is left waiting).
+    shared = run_distributed(_nccl_device_check, 3, args=(["cuda:0 (GPU-a)"] * 3,))
+    assert all("ranks [0, 1, 2] of machine 0 would share cuda:0 (GPU-a)" in e for e in shared)
+    distinct = ["cuda:0 (GPU-a)", "cuda:1 (GPU-b)", "cuda:0 (GPU-c)"]
+    assert run_distributed(_nccl_device_check, 3, args=(distinct,)) == [None] * 3

@@ -69,3 +69,30 @@ def test_nccl_without_cuda_is_refused():
     with pytest.raises(ValueError, match="nccl"):
         context._resolve_backend("nccl")
     assert context._resolve_backend("auto") == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("machine_of", "devices", "shared"),
+    [
+        # 2 ranks, 1 visible GPU: both on cuda:0.
+        ((0, 0), ["cuda:0 (GPU-a)", "cuda:0 (GPU-a)"], "ranks [0, 1] of machine 0 would share"),
+        # 4 ranks, 2 GPUs (local_rank % 2): ranks 0 and 2 share cuda:0.
+        ((0, 0, 0, 0), ["cuda:0", "cuda:1", "cuda:0", "cuda:1"], "ranks [0, 2] of machine 0"),
+        # 2 machines, the second has one GPU for its two ranks.
+        ((0, 0, 1, 1), ["cuda:0", "cuda:1", "cuda:0", "cuda:0"], "ranks [2, 3] of machine 1"),
+        # One GPU per rank: fine.
+        ((0, 0), ["cuda:0", "cuda:1"], None),
+        # The same index on two machines is two GPUs.
+        ((0, 1), ["cuda:0", "cuda:0"], None),
+        # CUDA_VISIBLE_DEVICES per rank: both see "cuda:0", but different GPUs.
+        ((0, 0), ["cuda:0 (GPU-a)", "cuda:0 (GPU-b)"], None),
+    ],
+)
+def test_nccl_refuses_ranks_sharing_a_gpu(machine_of, devices, shared):
+    error = context.shared_device_error(machine_of, devices)
+    if shared is None:
+        assert error is None
+    else:
+        assert shared in error
+        assert devices[int(shared.split("[")[1].split(",")[0])] in error  # names the device
+        assert "backend='gloo'" in error  # says what to do

@@ -101,7 +101,16 @@ def torch_op(op: str) -> dist.ReduceOp:
 
 
 def reduce_in_place(out: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> None:
-    """Reduce ``out`` over ``group`` in place with ``op``; runs on the communication thread."""
+    """Reduce ``out`` over ``group`` in place with ``op``; runs on the communication thread.
+
+    Communicators call it directly, outside the public operations' staging boundary, so a
+    device tensor that would reach gloo is reduced in a host copy here (transport.staging).
+    """
+    if transport.needs_staging(out, group):
+        host = transport.to_host(out)
+        reduce_in_place(host, op, group)
+        out.copy_(host)
+        return
     wide = widen(out)
     with timeline.record(None, "communicating"):
         work = dist.all_reduce(wide, op=torch_op(op), group=group, async_op=True)

@@ -35,6 +35,7 @@ from gossamer.transport import (
     group_rank,
     group_size,
     nbytes_of,
+    staged,
 )
 
 __all__ = ["alltoall_v", "reduce_scatter"]
@@ -51,6 +52,7 @@ def _check_blocks(tensor: torch.Tensor, size: int, op: str) -> None:
         )
 
 
+@staged
 def reduce_scatter(
     tensor: torch.Tensor,
     *,
@@ -116,6 +118,7 @@ def _check_counts(value: object, name: str, size: int) -> list[int]:
     return list(value)
 
 
+@staged
 def alltoall_v(
     tensor: torch.Tensor,
     *,

@@ -36,6 +36,7 @@ from gossamer.transport import (
     group_rank,
     group_size,
     nbytes_of,
+    staged,
 )
 
 __all__ = [
@@ -97,6 +98,7 @@ def _allreduce(tensor, average, op, group, async_op, inplace) -> torch.Tensor | 
     return transport.run("allreduce", body, async_op)
 
 
+@staged
 def allreduce(
     tensor: torch.Tensor,
     *,
@@ -139,6 +141,7 @@ def allreduce(
     return _allreduce(tensor, average, op, group, async_op, inplace=False)
 
 
+@staged
 def allreduce_(
     tensor: torch.Tensor,
     *,
@@ -175,6 +178,7 @@ def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
     return transport.run("broadcast", body, async_op)
 
 
+@staged
 def broadcast(
     tensor: torch.Tensor,
     *,
@@ -198,6 +202,7 @@ def broadcast(
     return _broadcast(tensor, root, group, async_op, inplace=False)
 
 
+@staged
 def broadcast_(
     tensor: torch.Tensor,
     *,
@@ -209,6 +214,7 @@ def broadcast_(
     return _broadcast(tensor, root, group, async_op, inplace=True)
 
 
+@staged
 def allgather(
     tensor: torch.Tensor,
     *,
@@ -255,6 +261,7 @@ def allgather(
     return transport.run("allgather", body, async_op)
 
 
+@staged
 def alltoall(
     tensor: torch.Tensor,
     *,

@@ -40,6 +40,7 @@ from gossamer.transport import (
     check_tensor,
     check_weight,
     check_weights,
+    staged,
 )
 
 __all__ = ["hierarchical_neighbor_allreduce", "local_allreduce", "local_group"]
@@ -84,6 +85,7 @@ def _leader(machine: int) -> int:
     return context.layout().ranks_on(machine)[0]
 
 
+@staged(over_gloo=True)
 def hierarchical_neighbor_allreduce(
     tensor: torch.Tensor,
     *,

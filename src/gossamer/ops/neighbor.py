@@ -30,6 +30,7 @@ from gossamer.transport import (
     check_weights,
     group_rank,
     group_size,
+    staged,
 )
 
 __all__ = ["neighbor_allgather", "neighbor_allreduce", "pair_gossip"]
@@ -193,6 +194,7 @@ def _allreduce_plan(
     return sw, dict(weights), sources, dsts
 
 
+@staged
 def neighbor_allreduce(
     tensor: torch.Tensor,
     *,
@@ -270,6 +272,7 @@ def neighbor_allreduce(
     return transport.run(op, body, async_op)
 
 
+@staged
 def neighbor_allgather(
     tensor: torch.Tensor,
     *,
@@ -341,6 +344,7 @@ def neighbor_allgather(
     return transport.run(op, body, async_op)
 
 
+@staged
 def pair_gossip(
     tensor: torch.Tensor,
     target: int,

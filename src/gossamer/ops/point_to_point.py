@@ -13,7 +13,15 @@ import torch
 import torch.distributed as dist
 
 from gossamer import transport
-from gossamer.transport import DTYPES, Handle, check_rank, check_tensor, group_rank, group_size
+from gossamer.transport import (
+    DTYPES,
+    Handle,
+    check_rank,
+    check_tensor,
+    group_rank,
+    group_size,
+    staged,
+)
 
 __all__ = ["recv", "send"]
 
@@ -45,6 +53,7 @@ def _valid_peer(peer: object, group) -> list[int]:
         return []
 
 
+@staged
 def send(
     tensor: torch.Tensor,
     *,
@@ -78,6 +87,7 @@ def send(
     return transport.run("send", body, async_op)
 
 
+@staged
 def recv(
     tensor: torch.Tensor,
     *,

@@ -33,6 +33,7 @@ from gossamer.transport import (
     from_bytes,
     group_rank,
     group_size,
+    staged,
 )
 
 __all__ = ["gather", "reduce", "scatter"]
@@ -49,6 +50,7 @@ def _check_rows(tensor: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: tensor must have at least one dimension; got a scalar")
 
 
+@staged
 def reduce(
     tensor: torch.Tensor,
     *,
@@ -109,6 +111,7 @@ def reduce(
     return transport.run("reduce", body, async_op)
 
 
+@staged
 def gather(
     tensor: torch.Tensor,
     *,
@@ -158,6 +161,7 @@ def gather(
     return transport.run("gather", body, async_op)
 
 
+@staged
 def scatter(
     tensor: torch.Tensor,
     *,

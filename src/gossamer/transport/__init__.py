@@ -7,7 +7,8 @@ checks (:mod:`~gossamer.transport.p2p`), errors that name the peer or the dead r
 (:mod:`~gossamer.transport.failures`, :mod:`~gossamer.transport.liveness`), the live set the
 survivors agree on (:mod:`~gossamer.transport.membership`), argument
 checks at the public boundary (:mod:`~gossamer.transport.checks`), and rejected calls that
-peers learn of at once (:mod:`~gossamer.transport.rejection`). ``gossamer.ops`` and
+peers learn of at once (:mod:`~gossamer.transport.rejection`), and device tensors staged
+through host memory on gloo (:mod:`~gossamer.transport.staging`). ``gossamer.ops`` and
 ``gossamer.windows`` stand on it.
 """
 
@@ -39,15 +40,21 @@ from gossamer.transport.membership import (
     membership_epoch,
     on_membership_change,
 )
-from gossamer.transport.p2p import (
-    Survived,
-    check_same_call,
+from gossamer.transport.p2p import Survived, check_same_call
+from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
+from gossamer.transport.rejection import gather_reasons, peer_argument_error, reject
+
+# The exchanges that reach other modules are staged: device tensors travel through host
+# memory on gloo (transport.staging).
+from gossamer.transport.staging import (
     exchange,
     exchange_rejected,
     exchange_surviving,
+    needs_staging,
+    staged,
+    to_device,
+    to_host,
 )
-from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
-from gossamer.transport.rejection import gather_reasons, peer_argument_error, reject
 
 # Every rank's heartbeat starts at init, so a rank that dies before its first operation is
 # still seen to die.
@@ -86,10 +93,14 @@ __all__ = [
     "membership_epoch",
     "lost_error",
     "nbytes_of",
+    "needs_staging",
     "on_membership_change",
     "peer_argument_error",
     "reject",
     "run",
+    "staged",
     "submit",
+    "to_device",
+    "to_host",
     "wait_works",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +52,25 @@ class Handle:
             raise CommunicationTimeout(
                 f"{self._op} did not complete within {self._deadline_s + _GRACE_S:g} s"
             ) from None
+
+    def then(self, fn: Callable[[Any], Any]) -> Handle:
+        """A handle to ``fn(result)``, computed as soon as this operation completes.
+
+        ``fn`` runs on the thread that completes the operation (the communication thread).
+        An error of the operation, or raised by ``fn``, is the new handle's error.
+        """
+        mapped: concurrent.futures.Future = concurrent.futures.Future()
+
+        def forward(done: concurrent.futures.Future) -> None:
+            try:
+                value = fn(done.result())
+            except BaseException as err:  # handed to the caller of wait()
+                mapped.set_exception(err)
+            else:
+                mapped.set_result(value)
+
+        self._future.add_done_callback(forward)
+        return Handle(mapped, self._op, self._deadline_s)
 
     def is_completed(self) -> bool:
         """True once the operation finished (successfully or not); never blocks."""
