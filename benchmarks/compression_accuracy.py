@@ -4,15 +4,20 @@ Run under the launcher (4 ranks; about 6 minutes on a 2-core machine shared with
 
     gossamer run -np 4 benchmarks/compression_accuracy.py
     gossamer run -np 4 benchmarks/compression_accuracy.py --compressors topk:0.1 --no-gossip
+    gossamer run -np 4 benchmarks/compression_accuracy.py --no-gossip --optimizer sgd \
+        --local-momentum --name compression_accuracy_sgd
 
 Every configuration trains :class:`gossamer.models.SmallCNN` on scikit-learn's bundled digits
 (the loader, split and model of ``examples/train_digits.py``) from the same initial weights,
-on the same shards and batches, with Adam and a cosine learning-rate decay, for a fixed
+on the same shards and batches, with Adam (``--optimizer sgd``: SGD with momentum; with
+``--local-momentum`` each rank's momentum buffer is what is compressed, so error feedback
+acts on the momentum-corrected update) and a cosine learning-rate decay, for a fixed
 number of steps, then reports the mean test accuracy of the ranks' models and the bytes each
 rank sent per step (``gossamer.profiling.bytes_sent``: point-to-point messages exactly,
 collectives by their ring cost, call headers included):
 
 - ``allreduce``: uncompressed gradient allreduce, the baseline of the compressed rows;
+- ``--warmup K``: the first K steps of each compressed row run uncompressed;
 - ``allreduce + <c> + EF``: ``GradientAllreduce(compression=c, error_feedback=True)`` for
   every registered compressor (``--compressors`` picks others);
 - ``gossip``: uncompressed adapt-with-combine over the exponential-two graph, the baseline of
@@ -71,6 +76,27 @@ def configurations(compressors: list[str], gossip: bool) -> list[tuple[str, dict
     return rows
 
 
+def local_momentum(model: nn.Module, beta: float) -> None:
+    """Replace each gradient by its local momentum buffer before it is communicated.
+
+    ``m = beta m + g`` (torch SGD's buffer) is computed where the gradient arrives, ahead of
+    the optimizer's communication hook (hooks run in registration order), so the compressor
+    and its error feedback see the momentum-corrected update (DGC's momentum correction;
+    Zheng et al. 2019) and the optimizer is plain SGD. Uncompressed, the average of the
+    ranks' buffers is the buffer of the averaged gradients: the same run as global momentum.
+    """
+    buffers: dict[nn.Parameter, torch.Tensor] = {}
+
+    def hook(p: nn.Parameter) -> None:
+        m = buffers.get(p)
+        m = p.grad.detach().clone() if m is None else m.mul_(beta).add_(p.grad)
+        buffers[p] = m
+        p.grad.copy_(m)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+
 def train(options: dict, data, args) -> tuple[float, float, float]:
     """Train one configuration; return (mean test accuracy, bytes/step/rank, seconds)."""
     rank, size = gossamer.rank(), gossamer.size()
@@ -79,15 +105,26 @@ def train(options: dict, data, args) -> tuple[float, float, float]:
     model = make_model(args.seed)
     if options.get("qat"):
         compression.quantize_model(model)
-    base = torch.optim.Adam(model.parameters(), lr=args.lr)
-    spec = options.get("compression")
-    if options["optimizer"] == "allreduce":
-        extra = {"compression": spec, "error_feedback": True} if spec else {}
-        opt = optim.GradientAllreduce(base, model, **extra)
+    if args.optimizer == "adam":
+        base = torch.optim.Adam(model.parameters(), lr=args.lr)
+    elif args.local_momentum:
+        base = torch.optim.SGD(model.parameters(), lr=args.lr)
+        local_momentum(model, args.momentum)
     else:
-        opt = optim.AdaptWithCombine(
+        base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    spec = options.get("compression")
+
+    def make_opt(spec):
+        if options["optimizer"] == "allreduce":
+            extra = {"compression": spec, "error_feedback": True} if spec else {}
+            return optim.GradientAllreduce(base, model, **extra)
+        return optim.AdaptWithCombine(
             base, model, topology=topo.exponential_two(size), compression=spec
         )
+
+    # An uncompressed warm-up (--warmup steps), then the configuration's compressor.
+    warm = spec is not None and args.warmup > 0
+    opt = make_opt(None if warm else spec)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(base, args.steps)
     loss_fn = nn.CrossEntropyLoss()
     gossamer.barrier()
@@ -100,6 +137,9 @@ def train(options: dict, data, args) -> tuple[float, float, float]:
             generator = torch.Generator().manual_seed(args.seed * 10_000 + epoch * 100 + rank)
             order = torch.randperm(len(shard_labels), generator=generator)
         batch = order[k * args.batch_size : (k + 1) * args.batch_size]
+        if warm and step == args.warmup:
+            opt.close()
+            opt = make_opt(spec)
         opt.zero_grad()
         loss_fn(model(shard_images[batch]), shard_labels[batch]).backward()
         opt.step()
@@ -135,7 +175,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam (cosine decay to 0)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (cosine decay to 0); default 3e-3 for Adam, 0.1 for SGD",
+    )
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
+    parser.add_argument(
+        "--local-momentum",
+        action="store_true",
+        help="SGD: momentum on each rank before compression (error feedback on the "
+        "momentum-corrected update) instead of on the averaged gradient",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=0, help="uncompressed steps before the compressor's"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--compressors", nargs="*", default=list(COMPRESSORS), help="compressor specs to run"
@@ -144,14 +200,20 @@ def main() -> None:
     parser.add_argument("--name", default="compression_accuracy", help="results file stem")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
+    if args.lr is None:
+        args.lr = 3e-3 if args.optimizer == "adam" else 0.1
     gossamer.init()
     torch.manual_seed(args.seed)
     data = split(*load_digits(), 0.2, args.seed)
     results = []
     for name, options in configurations(args.compressors, not args.no_gossip):
         acc, sent, seconds = train(options, data, args)
+        settings = {k: getattr(args, k) for k in ("optimizer", "lr", "warmup", "steps")}
+        if args.optimizer == "sgd":
+            settings.update(momentum=args.momentum, local_momentum=args.local_momentum)
         results.append(
             {"name": name, **options, "accuracy": acc, "bytes": sent, "seconds": seconds}
+            | {"settings": settings}
         )
         if gossamer.rank() == 0:
             print(f"{name:32s} acc {100 * acc:6.2f} %  {sent:12,.0f} B/step  {seconds:6.1f} s")

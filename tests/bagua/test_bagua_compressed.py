@@ -284,3 +284,49 @@ def test_low_precision_ring_stays_within_10_percent_of_full_precision(kwargs):
     start = _flat(_model(0).parameters())
     for mine, full in zip(got, ref, strict=True):
         assert (mine - full).norm() < 0.1 * (full - start).norm()
+
+
+# ---------------------------------------------------------------------- random streams
+def _stochastic_gossip(spec, rounds):
+    from gossamer.bagua.compressed import LowPrecisionGossip
+
+    bagua.init_process_group()
+    comm = LowPrecisionGossip(spec)
+    x = torch.randn(300, generator=torch.Generator().manual_seed(bagua.get_rank()))
+    x0 = x.clone()
+    for _ in range(rounds):
+        comm.next_round()
+        x = comm.start(x).wait()
+    return x0, x, comm.state_dict()["compressor"]
+
+
+def _simulate_stochastic_gossip(spec, starts, rounds):
+    """Bagua's ring (1/3 each) in one process, each rank with its own compressor stream."""
+    from gossamer.compression import for_rank, get_compressor
+
+    n = len(starts)
+    cs = [for_rank(get_compressor(spec), r) for r in range(n)]
+    reps = [{"self": x.clone(), "left": x.clone(), "right": x.clone()} for x in starts]
+    xs = [x.clone() for x in starts]
+    for _ in range(rounds):
+        ds = []
+        for i in range(n):
+            d = xs[i].clone()  # the library's order of float32 operations
+            d.add_(reps[i]["left"], alpha=1 / 3).add_(reps[i]["right"], alpha=1 / 3)
+            d.add_(reps[i]["self"], alpha=1 / 3 - 2)
+            ds.append(cs[i].decompress(cs[i].compress(d)))
+        for i in range(n):
+            reps[i]["left"] += ds[(i - 1) % n]
+            reps[i]["right"] += ds[(i + 1) % n]
+            reps[i]["self"] += ds[i]
+        xs = [r["self"].clone() for r in reps]
+    return xs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_low_precision_gossip_draws_a_stream_per_rank(world_size):
+    got = run_distributed(_stochastic_gossip, world_size, args=("qsgd:2", 3))
+    want = _simulate_stochastic_gossip("qsgd:2", [g[0] for g in got], 3)
+    for (_, x, stream), w in zip(got, want, strict=True):
+        torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-5)  # a flipped rounding: ~0.1
+        assert stream == {"step": 3}

@@ -44,6 +44,7 @@ ALLOWED: dict[str, set[str]] = {
         "fusion",
         "compression",
         "combine",
+        "profiling",
     },
     "optim": {"communicators", "windows", "ops", "transport", "context", "errors"}
     | {"topology", "fusion", "profiling", "compression"},

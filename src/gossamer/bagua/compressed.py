@@ -12,6 +12,11 @@ Both take any compressor of :mod:`gossamer.compression` (an object with ``compre
 ``decompress``, or a name for ``gossamer.compression.get_compressor``; Bagua's
 ``"MinMaxUInt8"`` is the 8-bit min-max quantizer). Compressors never communicate: the
 payloads travel as bytes through gossamer's collectives.
+
+Stochastic compressors draw from this rank's stream
+(:func:`gossamer.compression.for_rank` with the global rank, as in gossamer's own
+communicators): QSGD's and natural compression's rounding noise is independent across ranks,
+random-k's positions are common to all; the stream position is in ``state_dict()``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from gossamer import ops, transport
 from gossamer.bagua._groups import CommMember, default_group
 from gossamer.bagua.communicators import GroupCommunicator
 from gossamer.communicators import CompressedAllreduce, Pending
-from gossamer.communicators.compressed import codec_id
+from gossamer.communicators.compressed import codec_id, rank_compressor
 from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.topology import Topology
 
@@ -58,8 +63,30 @@ class _Compressed(GroupCommunicator):
     def __init__(self, compression: str | Compressor, *, hierarchical: bool, group: Any) -> None:
         super().__init__(hierarchical=hierarchical, group=group)
         self.compressor = resolve_compressor(compression)
+        # The configuration's id, the same on every rank (the ranks' streams differ).
+        self.codec = codec_id(self.compressor)
+        self._ranked = False
+        self._use_rank_stream()
+
+    def _use_rank_stream(self) -> None:
+        """Give the compressor this rank's random stream (once the rank is known)."""
+        if not self._ranked:
+            mine = rank_compressor(self.compressor)
+            if mine is not None:
+                self.compressor, self._ranked = mine, True
+
+    def state_dict(self) -> dict:
+        """Rounds and the compressor's stream position."""
+        return {**super().state_dict(), "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        super().load_state_dict(state)
+        self._use_rank_stream()
+        self.compressor.load_state_dict(state.get("compressor", {}))
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
+        self._use_rank_stream()
         x = flat.detach().clone()  # the caller may change flat while the round runs
         # One job on gossamer's communication thread; the operations inside run in place.
         return transport.submit(self.name, lambda: self._round(x, index))
@@ -133,6 +160,19 @@ class ScatterGatherCompressed(_Compressed):
 
     def _machine_average(self) -> bool:
         return self.average
+
+    def state_dict(self) -> dict:
+        """As the base's; over the whole world, the compressed allreduce's state."""
+        state = super().state_dict()
+        if self._world is not None:
+            state["world"] = self._world.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        super().load_state_dict(state)
+        if self._world is not None and "world" in state:
+            self._world.load_state_dict(state["world"])
 
     def _among(self, x: torch.Tensor, index: int, group: Any, me: int, n: int) -> torch.Tensor:
         flat = x.reshape(-1)
@@ -262,7 +302,7 @@ class LowPrecisionGossip(_Compressed):
             sources,
             group,
             any_first_dim=True,
-            codec=codec_id(self.compressor),
+            codec=self.codec,
         )
         decoded = {j: self._decode(received[j], x) for j in sources}  # before buffers are reused
         for j, _, key in peers:

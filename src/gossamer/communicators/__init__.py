@@ -13,6 +13,7 @@ class                              one round
 ``CompressedAllreduce``            global average through a compressor (scatter-reduce-gather)
 ``ChocoGossip``                    compressed neighbour averaging with public copies (CHOCO)
 ``NonlinearGossip``                :math:`x_i` += eps sum_j w_ji phi(x_j - x_i), phi sign-power
+``PowerSGDAllreduce``              global average of rank-r factors (torch's PowerSGD hook)
 =================================  =========================================================
 
 Optimizers take a communicator object (``communicator=NeighborAllreduce(schedule=...)``);
@@ -30,6 +31,7 @@ from gossamer.communicators.compressed import CompressedAllreduce
 from gossamer.communicators.moshpit import MoshpitAverage, grid_groups, near_cubic_grid
 from gossamer.communicators.neighbor import HierarchicalNeighborAllreduce, NeighborAllreduce
 from gossamer.communicators.nonlinear import NonlinearGossip, sign_power
+from gossamer.communicators.powersgd import PowerSGDAllreduce, parse_powersgd
 from gossamer.communicators.window import PushSumGossip, WindowPutGossip
 from gossamer.compression import Compressor, get_compressor
 from gossamer.topology import Step, Topology
@@ -48,6 +50,7 @@ __all__ = [
     "NoCommunication",
     "NonlinearGossip",
     "Pending",
+    "PowerSGDAllreduce",
     "PushSumGossip",
     "WindowPutGossip",
     "default_gamma",
@@ -71,6 +74,7 @@ COMMUNICATORS: dict[str, type[Communicator]] = {
         ChocoGossip,
         MoshpitAverage,
         NonlinearGossip,
+        PowerSGDAllreduce,
     )
 }
 #: the names an optimizer's ``communication=`` accepts
@@ -101,6 +105,8 @@ def make(
     With a ``compression`` other than ``"none"``, neighbour averaging becomes
     :class:`ChocoGossip` and ``allreduce`` :class:`CompressedAllreduce` (``error_feedback``
     applies to the latter; CHOCO's public copies already compensate the error).
+    ``compression="powersgd"`` or ``"powersgd:<rank>"`` (``"allreduce"`` only) is torch's
+    PowerSGD (:class:`PowerSGDAllreduce`, error feedback unless ``error_feedback=False``).
 
     ``elastic=True`` (neighbour averaging only, uncompressed) makes rounds outlive dead
     peers (:class:`NeighborAllreduce`).
@@ -119,6 +125,15 @@ def make(
     if topology is not None and schedule is not None:
         raise ValueError("give topology or schedule, not both")
     every = {"global_average_every": global_average_every}
+    rank = parse_powersgd(compression)
+    if rank is not None:
+        if communication != "allreduce" or elastic:
+            raise ValueError(
+                f"compression={compression!r} needs communication='allreduce' without elastic; "
+                f"got communication={communication!r}, elastic={elastic!r}"
+            )
+        feedback = True if error_feedback is None else error_feedback
+        return PowerSGDAllreduce(rank, error_feedback=feedback, **every)
     compressor = get_compressor(compression)
     if not isinstance(elastic, bool):
         raise TypeError(f"elastic must be a bool; got {elastic!r}")
