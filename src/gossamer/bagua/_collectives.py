@@ -2,17 +2,23 @@
 
 Every primitive of :mod:`gossamer.bagua.communication` runs one ``gossamer.ops`` operation
 (same-call checks, fail-fast rejection, errors that name the peer); this module holds only
-what is Bagua's own: the :class:`ReduceOp` values and writing results into Bagua's
-``recv_tensor`` arguments.
+what is Bagua's own: the :class:`ReduceOp` values, writing results into Bagua's
+``recv_tensor`` arguments, and :func:`rejecting`, which gives the facade's own argument
+checks the same fail-fast rejection as the checks inside ``gossamer.ops``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from enum import IntEnum
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["ReduceOp", "check_recv", "op_name", "reduce_op", "write_into"]
+from gossamer import transport
+
+__all__ = ["ReduceOp", "check_recv", "numel_of", "op_name", "reduce_op", "rejecting", "write_into"]
 
 
 class ReduceOp(IntEnum):
@@ -38,6 +44,34 @@ _NAMES = {
     ReduceOp.BXOR: "bxor",
     ReduceOp.AVG: "average",
 }
+
+
+@contextlib.contextmanager
+def rejecting(op: str, group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Run checks of a call of the collective ``op``; a rank whose check fails takes part.
+
+    The rank that raises ``TypeError``/``ValueError`` inside the block queues its part of
+    ``op`` on ``group`` (a rejected call header, see :mod:`gossamer.transport.rejection`)
+    before the error propagates, so the peers' ``op`` raises ``PeerArgumentError`` naming
+    this rank and its reason instead of waiting for the deadline. Only checks that run
+    before the ``gossamer.ops`` call belong inside: that call rejects its own arguments.
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+
+        def take_part(reason: str) -> None:
+            transport.check_same_call(op, None, group, rejection=reason)
+
+        transport.reject(op, err, group, take_part)
+        raise
+
+
+def numel_of(tensor: object, name: str, op: str) -> int:
+    """``tensor.numel()``; TypeError naming the argument when it is not a tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor; got {tensor!r}")
+    return tensor.numel()
 
 
 def check_recv(recv_tensor: object, numel: int, name: str) -> None:

@@ -9,7 +9,14 @@ from __future__ import annotations
 import torch
 
 from gossamer import ops
-from gossamer.bagua._collectives import ReduceOp, check_recv, op_name, write_into
+from gossamer.bagua._collectives import (
+    ReduceOp,
+    check_recv,
+    numel_of,
+    op_name,
+    rejecting,
+    write_into,
+)
 from gossamer.bagua._groups import BaguaCommunicator, resolve
 
 __all__ = [
@@ -48,7 +55,9 @@ def allgather(
     """Every rank's ``send_tensor``, concatenated in rank order, into ``recv_tensor``."""
     c = resolve(comm)
     if c is not None:
-        check_recv(recv_tensor, c.nranks() * send_tensor.numel(), "allgather")
+        with rejecting("allgather", c.group):
+            numel = numel_of(send_tensor, "send_tensor", "allgather")
+            check_recv(recv_tensor, c.nranks() * numel, "allgather")
         write_into(recv_tensor, ops.allgather(send_tensor.reshape(-1), group=c.group), "allgather")
 
 
@@ -56,7 +65,8 @@ def allgather_inplace(tensor: torch.Tensor, comm: BaguaCommunicator | None = Non
     """In-place :func:`allgather`: chunk ``rank`` of the flat ``tensor`` is this rank's input."""
     c = resolve(comm)
     if c is not None:
-        count = _split_count(tensor, c.nranks(), "allgather_inplace")
+        with rejecting("allgather", c.group):
+            count = _split_count(tensor, c.nranks(), "allgather_inplace")
         mine = tensor.reshape(-1)[c.rank() * count : (c.rank() + 1) * count]
         write_into(tensor, ops.allgather(mine, group=c.group), "allgather_inplace")
 
@@ -70,8 +80,10 @@ def gather(
     """Rank ``dst`` gets every rank's ``send_tensor`` in rank order in ``recv_tensor``."""
     c = resolve(comm)
     if c is not None:
-        if c.rank() == dst:
-            check_recv(recv_tensor, c.nranks() * send_tensor.numel(), "gather")
+        with rejecting("gather", c.group):
+            numel = numel_of(send_tensor, "send_tensor", "gather")
+            if c.rank() == dst:
+                check_recv(recv_tensor, c.nranks() * numel, "gather")
         result = ops.gather(send_tensor.reshape(-1), root=dst, group=c.group)
         if result is not None:
             write_into(recv_tensor, result, "gather")
@@ -102,7 +114,8 @@ def scatter(
     """Chunk ``i`` of rank ``src``'s ``send_tensor`` goes to rank ``i``'s ``recv_tensor``."""
     c = resolve(comm)
     if c is not None:
-        count = recv_tensor.numel()
+        with rejecting("scatter", c.group):
+            count = numel_of(recv_tensor, "recv_tensor", "scatter")
         mine = send_tensor if c.rank() == src else _placeholder(send_tensor, c.nranks() * count)
         write_into(recv_tensor, ops.scatter(mine.reshape(-1), root=src, group=c.group), "scatter")
 
@@ -133,8 +146,11 @@ def reduce_scatter(
     """Reduce ``send_tensor`` with ``op``; rank ``i`` gets chunk ``i`` in ``recv_tensor``."""
     c = resolve(comm)
     if c is not None:
-        check_recv(recv_tensor, send_tensor.numel() // c.nranks(), "reduce_scatter")
-        result = ops.reduce_scatter(send_tensor.reshape(-1), op=op_name(op), group=c.group)
+        with rejecting("reduce_scatter", c.group):
+            numel = numel_of(send_tensor, "send_tensor", "reduce_scatter")
+            check_recv(recv_tensor, numel // c.nranks(), "reduce_scatter")
+            name = op_name(op)
+        result = ops.reduce_scatter(send_tensor.reshape(-1), op=name, group=c.group)
         write_into(recv_tensor, result, "reduce_scatter")
 
 
@@ -145,7 +161,10 @@ def reduce_scatter_inplace(
     c = resolve(comm)
     if c is None:
         return
-    result = ops.reduce_scatter(tensor.reshape(-1), op=op_name(op), group=c.group)
+    with rejecting("reduce_scatter", c.group):
+        numel_of(tensor, "tensor", "reduce_scatter_inplace")
+        name = op_name(op)
+    result = ops.reduce_scatter(tensor.reshape(-1), op=name, group=c.group)
     count = result.numel()
     write_into(
         tensor.reshape(-1)[c.rank() * count : (c.rank() + 1) * count], result, "reduce_scatter"
@@ -162,7 +181,8 @@ def alltoall(
     """
     c = resolve(comm)
     if c is not None:
-        check_recv(recv_tensor, send_tensor.numel(), "alltoall")
+        with rejecting("alltoall", c.group):
+            check_recv(recv_tensor, numel_of(send_tensor, "send_tensor", "alltoall"), "alltoall")
         write_into(recv_tensor, ops.alltoall(send_tensor.reshape(-1), group=c.group), "alltoall")
 
 
@@ -185,11 +205,13 @@ def alltoall_v(
     Rank ``j`` gets ``send_tensor[send_displs[j]:][:send_counts[j]]``; what rank ``i`` sent
     lands at ``recv_tensor[recv_displs[i]:][:recv_counts[i]]``.
     """
-    if not recv_tensor.is_contiguous():
-        raise ValueError("alltoall_v: recv_tensor must be contiguous")
     c = resolve(comm)
     if c is None:
         return
+    with rejecting("alltoall_v", c.group):
+        numel_of(recv_tensor, "recv_tensor", "alltoall_v")
+        if not recv_tensor.is_contiguous():
+            raise ValueError("alltoall_v: recv_tensor must be contiguous")
     got = ops.alltoall_v(
         send_tensor.reshape(-1),
         send_counts=list(send_counts),

@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 
 from gossamer import context, ops
-from gossamer.bagua._collectives import ReduceOp, check_recv, op_name, write_into
+from gossamer.bagua._collectives import (
+    ReduceOp,
+    check_recv,
+    numel_of,
+    op_name,
+    rejecting,
+    write_into,
+)
 from gossamer.bagua._exchanges import (
     allgather,
     allgather_inplace,
@@ -210,9 +217,11 @@ def reduce(
     """Reduce ``send_tensor`` over the ranks with ``op`` into ``recv_tensor`` on rank ``dst``."""
     c = _comm(comm)
     if c is not None:
-        if c.rank() == dst:
-            check_recv(recv_tensor, send_tensor.numel(), "reduce")
-        result = ops.reduce(send_tensor, root=dst, op=op_name(op), group=c.group)
+        with rejecting("reduce", c.group):
+            if c.rank() == dst:
+                check_recv(recv_tensor, numel_of(send_tensor, "send_tensor", "reduce"), "reduce")
+            name = op_name(op)
+        result = ops.reduce(send_tensor, root=dst, op=name, group=c.group)
         if result is not None:
             write_into(recv_tensor, result, "reduce")
 
@@ -249,8 +258,10 @@ def allreduce(
     c = _comm(comm)
     if c is None:
         return
-    check_recv(recv_tensor, send_tensor.numel(), "allreduce")
-    result = ops.allreduce(send_tensor, op=op_name(op), group=c.group)
+    with rejecting("allreduce", c.group):
+        check_recv(recv_tensor, numel_of(send_tensor, "send_tensor", "allreduce"), "allreduce")
+        name = op_name(op)
+    result = ops.allreduce(send_tensor, op=name, group=c.group)
     write_into(recv_tensor, result, "allreduce")
 
 

@@ -12,17 +12,20 @@ collectives in the same order.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from gossamer import transport
+from gossamer import ops, transport
 from gossamer.bagua import env
-from gossamer.bagua._groups import BaguaProcessGroup
+from gossamer.bagua._collectives import rejecting
+from gossamer.bagua._groups import BaguaProcessGroup, resolve
 from gossamer.bagua._state import state
 from gossamer.bagua.bucket import BaguaBucket
 from gossamer.bagua.communication import broadcast, broadcast_object
+from gossamer.errors import PeerArgumentError
 
 __all__ = ["BaguaDistributedDataParallel"]
 
@@ -82,6 +85,32 @@ def _check_optimizers(optimizers: object) -> list[torch.optim.Optimizer]:
     return list(optimizers)
 
 
+def _agree(process_group: object, checks: Callable[[], None]) -> None:
+    """Run the wrap's argument ``checks``, then meet the group's ranks (a barrier).
+
+    A rank whose checks raise ``TypeError``/``ValueError`` takes part in that barrier with
+    its reason (:func:`~gossamer.bagua._collectives.rejecting`), so every other rank raises
+    ``PeerArgumentError`` naming it, instead of waiting in the wrap's first collective.
+    A bad ``process_group`` itself cannot be met on: that rank raises alone.
+
+    Raises:
+        PeerArgumentError: on the other ranks, prefixed ``with_bagua:``.
+    """
+    if not isinstance(process_group, BaguaProcessGroup):
+        checks()
+        raise TypeError(f"process_group must be a BaguaProcessGroup; got {process_group!r}")
+    comm = resolve(process_group.get_global_communicator())
+    if comm is None:  # not a member: the group's collectives skip this rank
+        checks()
+        return
+    with rejecting("barrier", comm.group):
+        checks()
+    try:
+        ops.barrier(group=comm.group)
+    except PeerArgumentError as err:
+        raise PeerArgumentError(f"with_bagua: {err}", err.ranks) from err
+
+
 class BaguaDistributedDataParallel:
     """Bagua's engine for one module, one algorithm and its optimizers.
 
@@ -108,14 +137,17 @@ class BaguaDistributedDataParallel:
     ) -> None:
         from gossamer.bagua.algorithms.base import Algorithm
 
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module; got {module!r}")
-        if not isinstance(algorithm, Algorithm):
-            raise TypeError(
-                f"algorithm must be a gossamer.bagua.algorithms.Algorithm; got {algorithm!r}"
-            )
-        if not isinstance(process_group, BaguaProcessGroup):
-            raise TypeError(f"process_group must be a BaguaProcessGroup; got {process_group!r}")
+        def checks() -> None:
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"module must be a torch.nn.Module; got {module!r}")
+            if not isinstance(algorithm, Algorithm):
+                raise TypeError(
+                    f"algorithm must be a gossamer.bagua.algorithms.Algorithm; got {algorithm!r}"
+                )
+            _check_optimizers(optimizers)
+
+        # Every rank's arguments are checked before the first collective of the wrap.
+        _agree(process_group, checks)
         self.module = module
         self.bagua_module_name = bagua_module_name or f"{type(module).__name__}_{id(module)}"
         self.bagua_optimizers = _check_optimizers(optimizers)

@@ -1,0 +1,138 @@
+"""The facade's own argument checks fail fast on every rank, as gossamer.ops' checks do.
+
+One rank passes a bad argument to a ``gossamer.bagua`` call (``with_bagua`` or a
+primitive whose check runs before its ``gossamer.ops`` call): it raises its own
+``TypeError``/``ValueError``, every other rank raises ``PeerArgumentError`` naming it and
+its reason well before the deadline, and the next call works everywhere.
+"""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import gossamer.bagua as bagua
+from gossamer.bagua.algorithms import gradient_allreduce
+from gossamer.errors import PeerArgumentError
+from gossamer.testing import run_distributed
+
+# Only a guard against a hang (the pool's deadline is 60 s).
+HANG_GUARD_S = 20.0
+BAD = 1
+
+
+def _call(name, r, n):
+    """The call of case ``name`` on rank ``r`` (bad arguments on rank ``BAD``)."""
+    is_bad = r == BAD
+    x = torch.ones(2 * n)
+    if name == "with_bagua optimizers":
+        model = nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizers = ["sgd"] if is_bad else [opt]
+        algorithm = gradient_allreduce.GradientAllReduceAlgorithm()
+        return lambda: model.with_bagua(optimizers, algorithm)
+    if name == "with_bagua algorithm":
+        model = nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        algorithm = "decentralized" if is_bad else gradient_allreduce.GradientAllReduceAlgorithm()
+        return lambda: model.with_bagua([opt], algorithm)
+    if name == "allreduce recv":
+        recv = torch.zeros(3 if is_bad else 2 * n)
+        return lambda: bagua.allreduce(x, recv)
+    if name == "allreduce op":
+        op = 42 if is_bad else bagua.ReduceOp.SUM
+        return lambda: bagua.allreduce_inplace(x, op=op)
+    if name == "reduce recv":
+        recv = torch.zeros(1 if is_bad else 2 * n)
+        return lambda: bagua.reduce(x, recv, dst=BAD)
+    if name == "allgather recv":
+        recv = torch.zeros(1 if is_bad else 2 * n * n)
+        return lambda: bagua.allgather(x, recv)
+    if name == "allgather_inplace size":
+        t = torch.zeros(2 * n + 1 if is_bad else 2 * n)
+        return lambda: bagua.allgather_inplace(t)
+    if name == "gather recv":
+        recv = torch.zeros(1 if is_bad else 2 * n * n)
+        return lambda: bagua.gather(x, recv, dst=BAD)
+    if name == "scatter recv":
+        recv = [0.0, 0.0] if is_bad else torch.zeros(2)
+        return lambda: bagua.scatter(x, recv, src=0)
+    if name == "reduce_scatter op":
+        op = 42 if is_bad else bagua.ReduceOp.SUM
+        return lambda: bagua.reduce_scatter(x, torch.zeros(2), op=op)
+    if name == "reduce_scatter_inplace op":
+        op = 42 if is_bad else bagua.ReduceOp.SUM
+        return lambda: bagua.reduce_scatter_inplace(x.clone(), op=op)
+    if name == "alltoall recv":
+        recv = torch.zeros(1 if is_bad else 2 * n)
+        return lambda: bagua.alltoall(x, recv)
+    if name == "alltoall_v recv":
+        recv = torch.zeros(2, n).t() if is_bad else torch.zeros(2 * n)  # not contiguous
+        counts, displs = [2] * n, [2 * k for k in range(n)]
+        return lambda: bagua.alltoall_v(x, counts, displs, recv, counts, displs)
+    raise AssertionError(name)
+
+
+CASES = [
+    "with_bagua optimizers",
+    "with_bagua algorithm",
+    "allreduce recv",
+    "allreduce op",
+    "reduce recv",
+    "allgather recv",
+    "allgather_inplace size",
+    "gather recv",
+    "scatter recv",
+    "reduce_scatter op",
+    "reduce_scatter_inplace op",
+    "alltoall recv",
+    "alltoall_v recv",
+]
+
+
+def _every_case():
+    bagua.init_process_group()
+    r, n = bagua.get_rank(), bagua.get_world_size()
+    out = []
+    for name in CASES:
+        call = _call(name, r, n)
+        bagua.barrier()
+        start = time.monotonic()
+        try:
+            call()
+            outcome = ("ok", "")
+        except PeerArgumentError as err:
+            outcome = ("peer", str(err), err.rank)
+        except (ValueError, TypeError) as err:
+            outcome = ("own", f"{type(err).__name__}: {err}")
+        elapsed = time.monotonic() - start
+        after = torch.ones(2)  # the next call works on every rank
+        bagua.allreduce_inplace(after)
+        out.append((name, outcome, elapsed, after.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_bad_facade_argument_on_one_rank_raises_on_every_rank(world_size):
+    got = run_distributed(_every_case, world_size)
+    for k, name in enumerate(CASES):
+        own = got[BAD][k][1]
+        assert own[0] == "own", (name, own)
+        for r in range(world_size):
+            _, outcome, elapsed, after = got[r][k]
+            assert after == [float(world_size)] * 2, (name, r)
+            if r == BAD:
+                continue
+            assert elapsed < HANG_GUARD_S, (name, r, elapsed)
+            assert outcome[0] == "peer", (name, r, outcome)
+            assert f"rank {BAD} rejected its arguments: {own[1]}" in outcome[1], (name, outcome)
+            assert outcome[2] == BAD
+    # the messages name the argument, on the rank that passed it and on its peers
+    assert got[0][0][1][1] == (
+        "with_bagua: barrier: rank 1 rejected its arguments: TypeError: optimizers must be a "
+        "list of torch.optim.Optimizer; got ['sgd']"
+    )
+    assert got[BAD][2][1][1] == (
+        f"ValueError: allreduce: recv_tensor must have {2 * world_size} elements; got 3"
+    )
