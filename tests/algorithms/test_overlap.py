@@ -390,3 +390,58 @@ def test_queue_orders_and_a_bad_send_order_is_refused_naming_it():
     for bad in ("front", -1, True, 1.5):
         with pytest.raises(ValueError, match=f"send_order.*{bad!r}"):
             queue_order(3, bad)
+
+
+# ---------------------------------------------------------------- win-put of the local step
+def _window_atc(kind):
+    """WindowAdaptThenCombine on exp-2; every put lands before any rank combines."""
+    rank, n = gossamer.rank(), gossamer.size()
+    model = Net(rank)
+    opt = optim.WindowAdaptThenCombine(
+        _torch_optimizer(kind, model),
+        model,
+        topology=topo.exponential_two(n),
+        fusion_threshold_bytes=100,
+        send_order="forward",
+    )
+    seen, stepped_in_backward = [], []
+    model.register_forward_hook(
+        lambda m, i, o: seen.append([p.detach().clone() for p in model.parameters()])
+    )
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = _loss(model, *_batch(rank, step))
+        before = model.c.weight.detach().clone()
+        loss.backward()
+        stepped_in_backward.append(not torch.equal(before, model.c.weight))
+        opt.step()
+        # Windows are asynchronous: a neighbour's next put may land before a slow rank
+        # combines. Every put of this round lands, then every rank combines, then the next.
+        opt.wait_puts()
+        gossamer.barrier()
+        opt.synchronize()
+        gossamer.barrier()
+    final = [p.detach().clone() for p in model.parameters()]
+    opt.free()
+    return seen, final, stepped_in_backward
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_window_atc_matches_the_serial_algorithm_step_by_step(world_size):
+    history, final = serial_atc("adam", world_size)
+    names = _names()
+    got = run_distributed(_window_atc, world_size, args=("adam",), timeout=120)
+    for rank, (seen, end, stepped_in_backward) in enumerate(got):
+        assert stepped_in_backward == [True] * STEPS
+        for step in range(STEPS):
+            for name, a, b in zip(names, seen[step], history[step][rank], strict=True):
+                msg = f"rank {rank}, step {step}, {name}: "
+                torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=msg: s + m)
+        for name, a, b in zip(names, end, final[rank], strict=True):
+            torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=name: f"{s}: {m}")
+
+
+def test_window_atc_refuses_exact_diffusion():
+    model = Net(0)
+    with pytest.raises(ValueError, match="exact_diffusion=True"):
+        optim.WindowAdaptThenCombine(_torch_optimizer("sgd", model), model, exact_diffusion=True)
