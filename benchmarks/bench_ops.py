@@ -1,6 +1,6 @@
 """Latency of gossamer's operations beside the raw torch.distributed calls they build on.
 
-    gossamer run -np 4 benchmarks/bench_ops.py [--preset smoke] [--out results]
+    gossamer run -np 4 benchmarks/bench_ops.py [--preset smoke] [--sizes 1e6] [--reps 25]
 
 For each size (float32 elements) and each operation, every repetition starts after a
 barrier and its time is the slowest rank's; the table shows medians and the ratio of each
@@ -137,9 +137,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--out", default="results", help="folder for bench_ops.{md,json}")
+    parser.add_argument("--sizes", help="comma-separated element counts (instead of the preset's)")
+    parser.add_argument("--reps", type=int, help="repetitions (instead of the preset's)")
     args = parser.parse_args()
     gossamer.init()
     sizes, reps = PRESETS[args.preset]
+    sizes = [int(float(n)) for n in args.sizes.split(",")] if args.sizes else sizes
+    reps = args.reps or reps
     results = {n: measure(n, reps) for n in sizes}
     if gossamer.rank() == 0:
         text = table(results)

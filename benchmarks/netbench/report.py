@@ -41,6 +41,7 @@ UNMODELLED = ("bagua-async",)
 EXP2 = ("awc/exp2", "atc/exp2", "win-put")
 ONE_PEER = (
     "atc/one-peer",
+    "atc-forward/one-peer",
     "awc/one-peer",
     "raw/one-peer",
     "raw-exchange/one-peer",

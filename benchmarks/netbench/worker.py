@@ -44,6 +44,7 @@ STRATEGIES = (
     "awc/exp2",
     "atc/exp2",
     "atc/one-peer",
+    "atc-forward/one-peer",
     "awc/one-peer",
     "raw/one-peer",
     "raw-exchange/one-peer",
@@ -274,6 +275,10 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
     if strategy == "atc/one-peer":
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
         return model, optim.AdaptThenCombine(sgd, model, schedule=schedule)
+    if strategy == "atc-forward/one-peer":
+        # ATC whose rounds go front of the model first after the first bucket (send_order).
+        schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
+        return model, optim.AdaptThenCombine(sgd, model, schedule=schedule, send_order="forward")
     if strategy == "awc/one-peer":
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
         return model, optim.AdaptWithCombine(sgd, model, schedule=schedule)

@@ -17,6 +17,7 @@ from torch import nn
 import gossamer
 from gossamer import optim
 from gossamer import topology as topo
+from gossamer.optim.overlap import queue_order
 from gossamer.profiling import timeline
 from gossamer.testing import run_distributed
 from oracle import mix
@@ -139,7 +140,7 @@ def serial_atc(case, n):
 
 
 # ---------------------------------------------------------------- the distributed runs
-def _overlapped(case, overlap):
+def _overlapped(case, overlap, send_order="backward"):
     """Train with AdaptThenCombine; the parameters each forward pass sees, and the end."""
     kind, every, dynamic, accumulate, exact = CASES[case]
     rank, n = gossamer.rank(), gossamer.size()
@@ -154,6 +155,7 @@ def _overlapped(case, overlap):
         exact_diffusion=exact,
         num_steps_per_communication=every,
         fusion_threshold_bytes=100,  # 7 buckets of float64 parameters
+        send_order=send_order,
         **options,
     )
     seen, stepped_in_backward = [], []
@@ -188,6 +190,8 @@ def runs(request):
     for case in CASES:
         got[case, True] = run_distributed(_overlapped, n, args=(case, True), timeout=120)
     got["sgd-momentum", False] = run_distributed(_overlapped, n, args=("sgd-momentum", False))
+    for case, order in ORDERED:
+        got[case, order] = run_distributed(_overlapped, n, args=(case, True, order), timeout=120)
     return n, got
 
 
@@ -195,12 +199,19 @@ def _names():
     return [name for name, _ in Net(0).named_parameters()]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_overlapped_atc_matches_the_serial_algorithm_step_by_step(runs, case):
+# Other queue orders of the rounds (send_order): the algorithm must not change. The unused
+# layer's bucket sits in the middle, so step() queues the buckets behind it.
+ORDERED = [("one-peer", "forward"), ("exact-diffusion", "forward"), ("sgd-momentum", 3)]
+
+
+@pytest.mark.parametrize(
+    "case, run", [(c, True) for c in CASES] + ORDERED, ids=lambda v: str(v).lower()
+)
+def test_overlapped_atc_matches_the_serial_algorithm_step_by_step(runs, case, run):
     n, got = runs
     history, final = serial_atc(case, n)
     names = _names()
-    for rank, (seen, end, _, buckets) in enumerate(got[case, True]):
+    for rank, (seen, end, _, buckets) in enumerate(got[case, run]):
         assert buckets == 7
         assert len(seen) == STEPS
         for step in range(STEPS):
@@ -368,3 +379,69 @@ def test_overlapped_push_sum_matches_push_sum_stepped_in_step(world_size):
         assert in_backward == [True] * STEPS and not_in_backward == [False] * STEPS
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, **TOLERANCE)
+
+
+def test_queue_orders_and_a_bad_send_order_is_refused_naming_it():
+    assert queue_order(5, "backward") == [0, 1, 2, 3, 4]
+    assert queue_order(5, "forward") == [0, 4, 3, 2, 1]
+    assert queue_order(5, 2) == [0, 1, 2, 4, 3]
+    assert queue_order(5, 99) == queue_order(5, "forward")
+    assert queue_order(1, "forward") == [0] and queue_order(0, "forward") == []
+    for bad in ("front", -1, True, 1.5):
+        with pytest.raises(ValueError, match=f"send_order.*{bad!r}"):
+            queue_order(3, bad)
+
+
+# ---------------------------------------------------------------- win-put of the local step
+def _window_atc(kind):
+    """WindowAdaptThenCombine on exp-2; every put lands before any rank combines."""
+    rank, n = gossamer.rank(), gossamer.size()
+    model = Net(rank)
+    opt = optim.WindowAdaptThenCombine(
+        _torch_optimizer(kind, model),
+        model,
+        topology=topo.exponential_two(n),
+        fusion_threshold_bytes=100,
+        send_order="forward",
+    )
+    seen, stepped_in_backward = [], []
+    model.register_forward_hook(
+        lambda m, i, o: seen.append([p.detach().clone() for p in model.parameters()])
+    )
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = _loss(model, *_batch(rank, step))
+        before = model.c.weight.detach().clone()
+        loss.backward()
+        stepped_in_backward.append(not torch.equal(before, model.c.weight))
+        opt.step()
+        # Windows are asynchronous: a neighbour's next put may land before a slow rank
+        # combines. Every put of this round lands, then every rank combines, then the next.
+        opt.wait_puts()
+        gossamer.barrier()
+        opt.synchronize()
+        gossamer.barrier()
+    final = [p.detach().clone() for p in model.parameters()]
+    opt.free()
+    return seen, final, stepped_in_backward
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_window_atc_matches_the_serial_algorithm_step_by_step(world_size):
+    history, final = serial_atc("adam", world_size)
+    names = _names()
+    got = run_distributed(_window_atc, world_size, args=("adam",), timeout=120)
+    for rank, (seen, end, stepped_in_backward) in enumerate(got):
+        assert stepped_in_backward == [True] * STEPS
+        for step in range(STEPS):
+            for name, a, b in zip(names, seen[step], history[step][rank], strict=True):
+                msg = f"rank {rank}, step {step}, {name}: "
+                torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=msg: s + m)
+        for name, a, b in zip(names, end, final[rank], strict=True):
+            torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=name: f"{s}: {m}")
+
+
+def test_window_atc_refuses_exact_diffusion():
+    model = Net(0)
+    with pytest.raises(ValueError, match="exact_diffusion=True"):
+        optim.WindowAdaptThenCombine(_torch_optimizer("sgd", model), model, exact_diffusion=True)

@@ -262,3 +262,34 @@ def test_bagua_rows_cost_model():
         pytest.approx(0.5 * M)
     )
     assert report.comm_seconds("bagua-async", M, 4, 1, 10**9) is None
+
+
+# ---------------------------------------------------------------------- one-peer rows
+def _one_peer_rows(models, strategies):
+    """Each one-peer row on each model, built and stepped as the worker does (batch 2)."""
+    out = {}
+    for name in models:
+        build, inputs = worker.MODELS[name]
+        for strategy in strategies:
+            torch.manual_seed(gossamer.rank())  # different models: an exchange changes them
+            model = build()
+            start = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+            net, opt = worker.wrap(strategy, model, torch.optim.SGD(model.parameters(), lr=0.1))
+            x, y = inputs(2), torch.randint(0, 10, (2,))
+            opt.zero_grad()
+            if "exchange/" not in strategy:
+                nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            if hasattr(opt, "synchronize"):
+                opt.synchronize()
+            worker.release(strategy, opt)
+            end = torch.cat([p.detach().flatten() for p in model.parameters()])
+            out[name, strategy] = bool(end.isfinite().all()) and not torch.equal(end, start)
+    return out
+
+
+def test_every_one_peer_row_runs_on_the_cnn_and_the_transformer():
+    rows = [s for s in report.ONE_PEER if s in STRATEGIES and not s.startswith("bagua")]
+    got = run_distributed(_one_peer_rows, 2, args=(["resnet", "transformer"], rows), timeout=300)
+    for rank_rows in got:
+        assert all(rank_rows.values()), [k for k, ok in rank_rows.items() if not ok]

@@ -1,20 +1,21 @@
 """Decentralized optimizers: each wraps a torch optimizer and adds only communication.
 
-=========================  ==============================================================
-class                      what a step does
-=========================  ==============================================================
-``AdaptWithCombine``       combine parameters during backward, then the local step
-``AdaptThenCombine``       local step, then combine (diffusion)
-``GradientAllreduce``      average gradients over all ranks during backward, then step
-``WindowPut``              asynchronous: put parameters to neighbours' windows, combine
-``PushSum``                asynchronous push-sum SGD, also on directed graphs
-``CliqueAveraging``        average gradients in the D-Clique, momentum step, then combine
-``NGC`` / ``CompNGC``      mix self- and cross-gradients (neighbours' data at this model)
-``DACFL``                  local training; dynamic average consensus tracks the mean model
-``SkewScout``              wraps one of the above; tunes its period to the accuracy loss
-``FedHiSyn``               ATC on a ring inside each speed group, global average per round
-``CoCoFL``                 constrained ranks freeze layers (int8), masked averaging
-=========================  ==============================================================
+============================  ==============================================================
+class                         what a step does
+============================  ==============================================================
+``AdaptWithCombine``          combine parameters during backward, then the local step
+``AdaptThenCombine``          local step, then combine (diffusion)
+``GradientAllreduce``         average gradients over all ranks during backward, then step
+``WindowPut``                 asynchronous: put parameters to neighbours' windows, combine
+``WindowAdaptThenCombine``    asynchronous ATC: local step per bucket in backward, put, combine
+``PushSum``                   asynchronous push-sum SGD, also on directed graphs
+``CliqueAveraging``           average gradients in the D-Clique, momentum step, then combine
+``NGC`` / ``CompNGC``         mix self- and cross-gradients (neighbours' data at this model)
+``DACFL``                     local training; dynamic average consensus tracks the mean model
+``SkewScout``                 wraps one of the above; tunes its period to the accuracy loss
+``FedHiSyn``                  ATC on a ring inside each speed group, global average per round
+``CoCoFL``                    constrained ranks freeze layers (int8), masked averaging
+============================  ==============================================================
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from gossamer.optim.utils import (
     broadcast_parameters,
     consensus_distance,
 )
-from gossamer.optim.window import PushSum, WindowPut
+from gossamer.optim.window import PushSum, WindowAdaptThenCombine, WindowPut
 
 __all__ = [
     "COMMUNICATIONS",
@@ -52,6 +53,7 @@ __all__ = [
     "PeriodController",
     "PushSum",
     "SkewScout",
+    "WindowAdaptThenCombine",
     "WindowPut",
     "allreduce_parameters",
     "broadcast_optimizer_state",

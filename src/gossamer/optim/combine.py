@@ -104,9 +104,10 @@ class AdaptThenCombine(BucketwiseOptimizer):
     that bucket's parameters (its own update rule, on a subset of its parameter groups, so
     momentum, Adam's moments and weight decay are exactly torch's) and the bucket's neighbour
     exchange is queued on the communication thread. Its wire time then hides behind the rest
-    of the backward pass. Buckets are queued in index order (reverse registration order), so
-    every rank issues the same rounds in the same order; a bucket ready early waits for the
-    ones before it. A module's forward pre-hook waits only for the combines of its own
+    of the backward pass. Buckets are queued in a fixed order, the same on every rank
+    (``send_order``: index order, the reverse registration order, by default; see
+    :class:`~gossamer.optim.overlap.BucketwiseOptimizer`); a bucket ready early waits for
+    the ones before it. A module's forward pre-hook waits only for the combines of its own
     buckets (and of the buckets queued before them, which are done by then) and writes them
     into the parameters. :meth:`step` takes the local step of the buckets that were never
     completed (parameters without a gradient in this step, a model with unused parameters)
@@ -138,6 +139,10 @@ class AdaptThenCombine(BucketwiseOptimizer):
         optimizer, model: as for every decentralized optimizer.
         exact_diffusion (bool): add the exact-diffusion correction.
         overlap (bool): step and send each bucket from the backward pass (see above).
+        send_order (str | int): the order of each step's rounds: ``"backward"`` (default;
+            as backward produces the buckets), ``"forward"`` (the first bucket at once, then
+            the model's front first, so the next forward pass waits for less), or ``k``: only
+            the last ``k`` buckets front first.
         **kwargs: the options of :class:`DecentralizedOptimizer`; ``fusion_threshold_bytes``
             is the bucket size, and so the grain of the overlap.
 
@@ -166,17 +171,19 @@ class AdaptThenCombine(BucketwiseOptimizer):
         self._psi_prev: dict[int, torch.Tensor] = {}
         self._index = {bucket: i for i, bucket in enumerate(self.buckets)}
         self._hooks += [
-            module.register_forward_pre_hook(functools.partial(self._before_forward, max(indices)))
+            module.register_forward_pre_hook(
+                functools.partial(self._before_forward, self._queued_up_to(indices))
+            )
             for module, indices in module_buckets(self.models, self.buckets)
         ]
         self._restarted_epoch = 0
 
     # ------------------------------------------------------------------ hooks
-    def _before_forward(self, last: int, module, inputs) -> None:
+    def _before_forward(self, wanted: set[int], module, inputs) -> None:
         # Rounds run in queue order on the communication thread, so the buckets queued
         # before this module's are done when its own is: writing them too costs no wait and
         # covers a parameter read outside its own module's forward.
-        self._finish(range(last + 1))
+        self._finish(wanted)
 
     # ------------------------------------------------------------------ per bucket
     def _step_bucket(self, index: int) -> tuple[torch.Tensor, Callable | None]:

@@ -18,7 +18,27 @@ from torch import nn
 from gossamer.fusion import Bucket
 from gossamer.optim.base import DecentralizedOptimizer, NoSync
 
-__all__ = ["Arrivals", "BucketwiseOptimizer", "module_buckets"]
+__all__ = ["Arrivals", "BucketwiseOptimizer", "module_buckets", "queue_order"]
+
+SEND_ORDERS = ("backward", "forward")
+
+
+def queue_order(count: int, send_order: str | int) -> list[int]:
+    """The order in which ``count`` buckets' rounds are queued (see BucketwiseOptimizer).
+
+    Raises:
+        ValueError: ``send_order`` is not ``"backward"``, ``"forward"`` or an int >= 0.
+    """
+    if isinstance(send_order, str) and send_order in SEND_ORDERS:
+        tail = 0 if send_order == "backward" else count - 1
+    elif isinstance(send_order, int) and not isinstance(send_order, bool) and send_order >= 0:
+        tail = min(send_order, count - 1)
+    else:
+        raise ValueError(
+            f"send_order must be 'backward', 'forward' or an int >= 0; got {send_order!r}"
+        )
+    head = count - max(tail, 0)
+    return list(range(head)) + list(range(count - 1, head - 1, -1))
 
 
 class Arrivals:
@@ -97,21 +117,50 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
     With ``overlap=True``, on communication steps, the post-accumulate-grad hook of each
     parameter records its gradient; when a bucket's gradients are all in, the bucket is
     stepped (:meth:`_step_bucket`, which says what to send) and the stepped buckets are
-    queued in index order, up to the first one not stepped yet, so that every rank starts
-    the same rounds in the same order. The step's first round advances the communicator
-    (a dynamic schedule's peers are fixed for the whole step). :meth:`_take_remaining_steps`
-    (called by ``step()``) steps and queues the buckets backward did not complete.
+    queued in :attr:`send_order`, up to the first one not stepped yet, so that every rank
+    starts the same rounds in the same order (the order is fixed at construction, never
+    by timing). The step's first round advances the communicator (a dynamic schedule's
+    peers are fixed for the whole step). :meth:`_take_remaining_steps` (called by
+    ``step()``) steps and queues the buckets backward did not complete.
+
+    The communication thread runs rounds one at a time in queue order, and the buckets
+    are numbered in the order backward produces them (the model's last layers first), so
+    the order chooses which rounds the next forward pass waits for:
+
+    - ``send_order="backward"``: index order. The wire starts with the first bucket and
+      never waits for a later one, but the model's first layers are sent last: the next
+      forward pass starts only when every round is done.
+    - ``send_order="forward"``: bucket 0 at once, then the others front of the model first
+      (``0, n-1, n-2, ..., 1``), queued when backward has produced them all. Where the
+      wire is the bottleneck the forward pass then computes its first layers while the
+      last buckets are on the wire; where it is not (a long backward pass, many buckets)
+      the rounds of buckets 1 .. n-1 start only at the end of backward.
+    - an int ``k`` >= 0: index order, but the last ``k`` buckets (the model's front) go
+      front first: ``0, ..., n-k-1, n-1, ..., n-k`` (``k = n - 1`` is ``"forward"``).
 
     Args:
         optimizer, model, **kwargs: as for :class:`DecentralizedOptimizer`.
         overlap (bool): take the local steps and start the rounds from the backward pass.
+        send_order (str | int): ``"backward"`` (default), ``"forward"``, or ``k`` (above).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model, *, overlap: bool = True, **kwargs):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model,
+        *,
+        overlap: bool = True,
+        send_order: str | int = "backward",
+        **kwargs,
+    ):
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool; got {overlap!r}")
         super().__init__(optimizer, model, **kwargs)
         self.overlap = overlap
+        self.send_order = send_order
+        #: the bucket indices in the order their rounds are queued (the same on every rank)
+        self.queue_order = queue_order(len(self.buckets), send_order)
+        self._position = {index: k for k, index in enumerate(self.queue_order)}
         self._arrivals = Arrivals(self.buckets, self.param_names)
         # Buckets stepped in this step and not queued yet: index -> (what to send, finish).
         self._ready: dict[int, tuple[torch.Tensor, Callable | None]] = {}
@@ -138,6 +187,11 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
     def _step_bucket(self, index: int) -> tuple[torch.Tensor, Callable | None]:
         """Take bucket ``index``'s local step; return what to send and the result's finish."""
 
+    def _queued_up_to(self, indices: Iterable[int]) -> set[int]:
+        """``indices`` and every bucket queued before any of them."""
+        last = max(self._position[i] for i in indices)
+        return set(self.queue_order[: last + 1])
+
     def _step_only(self, params: Iterable[torch.Tensor], closure=None):
         """The wrapped optimizer's step restricted to ``params`` (its own update rule)."""
         wanted = set(params)
@@ -152,10 +206,11 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
                 g["params"] = params_of_group
 
     def _queue_ready(self) -> None:
-        """Queue the stepped buckets in index order, up to the first one not stepped yet."""
-        while self._queued in self._ready:
-            index = self._queued
-            if index == 0:  # the step's first round fixes its peers (dynamic schedules)
+        """Queue the stepped buckets in :attr:`queue_order`, up to the first not stepped."""
+        order = self.queue_order
+        while self._queued < len(order) and order[self._queued] in self._ready:
+            index = order[self._queued]
+            if self._queued == 0:  # the step's first round fixes its peers (dynamic schedules)
                 self.communicator.next_round()
             sent, finish = self._ready.pop(index)
             self._pending.append(
@@ -168,7 +223,8 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
         # The first bucket not queued was never stepped (else it would be queued). Each is
         # queued before the next is stepped: its round overlaps the following steps.
         while self._queued < len(self.buckets):
-            self._ready[self._queued] = self._step_bucket(self._queued)
+            index = self.queue_order[self._queued]
+            self._ready[index] = self._step_bucket(index)
             self._queue_ready()
         self._arrivals.reset()
         self._queued = 0

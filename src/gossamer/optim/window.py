@@ -4,6 +4,10 @@ r"""Asynchronous optimizers over one-sided windows: no rank ever waits for anoth
   parameters into its out-neighbours' windows; :meth:`step` combines whatever has arrived
   (:math:`x \leftarrow w_{ii} x + \sum_j w_{ji} b_j`) and then takes the local step. It is
   adapt-with-combine over :class:`~gossamer.communicators.WindowPutGossip`.
+- :class:`WindowAdaptThenCombine`: win-put of the local step instead: each bucket is
+  stepped and put from the backward pass, as :class:`~gossamer.optim.AdaptThenCombine` sends
+  it, and combined with what has arrived before its module's next forward pass,
+  :math:`x \leftarrow w_{ii} \psi + \sum_j w_{ji} b_j`.
 - :class:`PushSum` (stochastic gradient push; Assran et al., 2019): each rank steps on
   :math:`z_i = x_i / p_i`, then pushes shares of :math:`(x_i, p_i)` to its out-neighbours and
   adds what it received (:class:`~gossamer.communicators.PushSumGossip`), also on directed
@@ -18,12 +22,12 @@ from collections.abc import Iterator
 import torch
 
 from gossamer.communicators import PushSumGossip, WindowPutGossip
-from gossamer.optim.combine import AdaptWithCombine
+from gossamer.optim.combine import AdaptThenCombine, AdaptWithCombine
 from gossamer.optim.overlap import BucketwiseOptimizer
 from gossamer.profiling import timeline
 from gossamer.topology import Step, Topology
 
-__all__ = ["PushSum", "WindowPut"]
+__all__ = ["PushSum", "WindowAdaptThenCombine", "WindowPut"]
 
 
 class _OverWindows:
@@ -134,6 +138,59 @@ class WindowPut(_OverWindows, AdaptWithCombine):
             self._started = False  # a failed round is over too (see AdaptWithCombine.step)
         self.steps += 1
         return self.optimizer.step(closure)
+
+
+class WindowAdaptThenCombine(_OverWindows, AdaptThenCombine):
+    r"""Win-put of the local step: put each bucket from the backward pass, combine later.
+
+    Adapt-then-combine over :class:`~gossamer.communicators.WindowPutGossip`: as soon as
+    the backward pass has accumulated a bucket's gradients, the wrapped optimizer steps the
+    bucket (:math:`\psi_i = x_i + u_i`) and the bucket is put into the out-neighbours'
+    windows at once, so the puts run beside the rest of the backward pass; before a
+    module's next forward pass (or at :meth:`synchronize`) its buckets are combined with
+    whatever has arrived, :math:`x_i \leftarrow w_{ii} \psi_i + \sum_j w_{ji} b_j`, where
+    :math:`b_j` is the latest :math:`\psi_j` that neighbour j put. No rank waits for
+    another's compute. The rules of :class:`~gossamer.optim.AdaptThenCombine` for
+    ``overlap=``, ``send_order=``, gradient accumulation and :meth:`no_sync` apply; exact
+    diffusion and ``elastic=True`` are not built for windows.
+
+    :class:`WindowPut` (BlueFog's win-put) is the adapt-with-combine form: it puts
+    :math:`x_t` before forward and combines at ``step()``.
+
+    Args:
+        optimizer, model: as for every decentralized optimizer.
+        topology, schedule, communication, compression: as for :class:`WindowPut`.
+        **kwargs: ``overlap``, ``send_order``, ``num_steps_per_communication``,
+            ``fusion_threshold_bytes``.
+
+    Example:
+        >>> opt = WindowAdaptThenCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        >>> loss_fn(model(x), y).backward()  # per bucket: local step, then its puts
+        >>> opt.step()       # steps and puts what backward left
+        >>> model(x)         # each module combines its buckets with what arrived
+        >>> opt.free()       # collective, when training is over
+    """
+
+    gossip = WindowPutGossip
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model, **kwargs) -> None:
+        if kwargs.get("exact_diffusion", False) is not False:
+            raise ValueError(
+                "WindowAdaptThenCombine: exact_diffusion is not built for windows (its "
+                f"correction needs every neighbour's value of the same round); got "
+                f"exact_diffusion={kwargs['exact_diffusion']!r}"
+            )
+        super().__init__(optimizer, model, **kwargs)
+
+    def wait_puts(self) -> None:
+        """Wait until this rank's puts in flight have landed at every destination.
+
+        With every rank calling this and then a barrier, every put of the round is in its
+        slot before any rank combines.
+        """
+        for _, round_, _ in self._pending:
+            if round_ is not None:
+                round_.sent()
 
 
 class PushSum(_OverWindows, BucketwiseOptimizer):
