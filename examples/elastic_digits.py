@@ -1,9 +1,10 @@
 """Training that outlives a rank: 4 ranks learn digits, one is killed at 40 %, the rest go on.
 
-Run (it starts its own local ranks; see below why not ``gossamer run``)::
+Run::
 
-    python examples/elastic_digits.py
-    python examples/elastic_digits.py --world-size 6 --victim 3 --kill-at 0.5 --epochs 6
+    gossamer run -np 4 --elastic examples/elastic_digits.py
+    gossamer run -np 6 --elastic examples/elastic_digits.py --victim 3 --kill-at 0.5
+    python examples/elastic_digits.py     # the same: it starts `gossamer run --elastic`
 
 Every rank trains :class:`gossamer.models.SmallCNN` on its shard of scikit-learn's bundled
 digits (the loader of ``train_digits.py``) with adapt-then-combine over
@@ -13,6 +14,10 @@ exchange with it fails, the heartbeats confirm the death, the survivors agree on
 live set through the rendezvous store (membership epoch 1), and they go on averaging over
 ``exponential_two(n).without([victim])`` (Sinkhorn re-weighting, doubly stochastic). The
 victim's data is lost with it; the survivors keep what its model had taught theirs.
+``--elastic`` makes the launcher's agent let the survivors run (without it, torchrun's agent
+stops every rank when one dies); its store holds the membership, so any rank may be the
+victim, rank 0 included. ``--no-kill`` runs the same job without a death (the reference of
+``benchmarks/elastic_digits.py``).
 
 Rank ``min(live)`` prints, per survivor, when it learned of the death, the time from the
 kill to its next step completed among the survivors only, its longest step after the kill
@@ -20,12 +25,6 @@ kill to its next step completed among the survivors only, its longest step after
 ``<out>/elastic_digits.png`` shows each rank's test accuracy over time with the kill and the
 membership changes marked. Histories travel through the rendezvous store (collectives
 cannot run once a rank is dead).
-
-Why not ``gossamer run``: torchrun's agent stops every rank as soon as one exits
-(``--max-restarts=0``), so the survivors would be killed with the victim; an agent that
-lets the others run is not built yet (docs/fault-tolerance.md). This script therefore
-starts ``--world-size`` copies of itself with the variables torchrun would set, and rank 0
-hosts the store, so the victim must not be rank 0.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,26 +52,9 @@ _KEY = "elastic_digits/"
 
 
 def spawn(args: argparse.Namespace) -> int:
-    """Start ``--world-size`` ranks of this script on this machine; wait for them."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(args.world_size),
-        "OMP_NUM_THREADS": "1",
-    }
-    procs = [
-        subprocess.Popen([sys.executable, *sys.argv, "--child"], env={**env, "RANK": str(r)})
-        for r in range(args.world_size)
-    ]
-    codes = [p.wait() for p in procs]
-    bad = [r for r, c in enumerate(codes) if c != 0 and r != args.victim]
-    if codes[args.victim] != -signal.SIGKILL:
-        print(f"the victim, rank {args.victim}, exited with {codes[args.victim]}, not SIGKILL")
-    return 1 if bad else 0
+    """Not started by a launcher: run this script under ``gossamer run --elastic``."""
+    launcher = [sys.executable, "-m", "gossamer.launcher", "run", "-np", str(args.world_size)]
+    return subprocess.call([*launcher, "--elastic", *sys.argv])
 
 
 def train(args: argparse.Namespace) -> None:
@@ -102,7 +83,7 @@ def train(args: argparse.Namespace) -> None:
     generator = torch.Generator().manual_seed(args.seed * 10_000 + rank)
     order = torch.randperm(len(labels), generator=generator)
     for step in range(total):
-        if rank == args.victim and step == kill_step:
+        if rank == args.victim and step == kill_step and not args.no_kill:
             store.set(f"{_KEY}killed_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         at = (step % steps_per_epoch) * args.batch_size
@@ -120,7 +101,12 @@ def train(args: argparse.Namespace) -> None:
     store.set(f"{_KEY}{rank}", json.dumps(history))
     live = gossamer.live_ranks()
     if rank == min(live):
-        report([json.loads(store.get(f"{_KEY}{r}")) for r in live], store, args, kill_step)
+        histories = [json.loads(store.get(f"{_KEY}{r}")) for r in live]
+        if args.no_kill:
+            final = statistics.mean(h["acc"][-1][2] for h in histories)
+            print(f"final test accuracy, mean over the {size} ranks: {100 * final:.2f}%")
+        else:
+            report(histories, store, args, kill_step)
     gossamer.shutdown()
 
 
@@ -178,8 +164,8 @@ def plot(histories: list[dict], start: float, killed_at: float, path: Path) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--victim", type=int, default=2, help="rank to kill (not 0)")
+    parser.add_argument("--world-size", type=int, default=4, help="without a launcher")
+    parser.add_argument("--victim", type=int, default=2, help="rank to kill")
     parser.add_argument("--kill-at", type=float, default=0.4, help="fraction of the run")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
@@ -187,13 +173,15 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=5, help="steps between accuracies")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the PNG")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-kill", action="store_true", help="nobody dies (a reference)")
     args = parser.parse_args()
-    if not 0 < args.victim < args.world_size:
-        parser.error(f"--victim must be in [1, {args.world_size}); got {args.victim}")
+    launched = "RANK" in os.environ
+    size = int(os.environ["WORLD_SIZE"]) if launched else args.world_size
+    if not 0 <= args.victim < size:
+        parser.error(f"--victim must be in [0, {size}); got {args.victim}")
     if not 0 < args.kill_at < 1:
         parser.error(f"--kill-at must be in (0, 1); got {args.kill_at}")
-    if args.child:
+    if launched:
         train(args)
     else:
         sys.exit(spawn(args))

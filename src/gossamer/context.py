@@ -205,6 +205,11 @@ def _start_process_group(backend: str, timeout: float) -> tuple[dist.Store, int 
         agent = info.agent_store
         args = (info.master_addr, info.master_port, info.world_size)
         store = dist.TCPStore(*args, is_master=info.rank == 0 and not agent, timeout=wait)
+        if agent:
+            # The agent's store outlives a restart of the ranks (--max-restarts): keys of an
+            # earlier attempt (gloo's addresses, heartbeats, membership epochs) must not be
+            # read by this one. The prefix is the one torch's env:// rendezvous uses.
+            store = dist.PrefixStore(f"/worker/attempt_{info.restart_count}", store)
         pg_store, host = dist.PrefixStore("default_pg", store), None if agent else 0
     dist.init_process_group(
         pg_backend, store=pg_store, rank=info.rank, world_size=info.world_size, timeout=wait

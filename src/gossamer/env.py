@@ -17,6 +17,11 @@ variable                       default    meaning
                                           timeline, and rank ``k`` writes
                                           ``<prefix>.rank<k>.json`` (Chrome trace) at exit;
                                           a ``{rank}`` in it is replaced instead
+``GOSSAMER_CHECKPOINT_DIR``    unset      directory of automatic checkpoints
+                                          (:func:`gossamer.checkpoint.autoresume`); set by
+                                          ``gossamer run --checkpoint-dir``
+``GOSSAMER_CHECKPOINT_EVERY``  unset      steps between automatic checkpoints; set by
+                                          ``gossamer run --checkpoint-every``
 =============================  =========  ===================================================
 
 BlueFog's variables, for programs run through the BlueFog facade (:mod:`gossamer.bluefog`):
@@ -33,8 +38,9 @@ variable                       default    meaning
 
 Set by the launcher (``torchrun``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node's index), ``MASTER_ADDR``, ``MASTER_PORT``, and
-``TORCHELASTIC_USE_AGENT_STORE`` (the launcher's agent hosts the rendezvous store). Without
-them a program runs as world size 1.
+``TORCHELASTIC_USE_AGENT_STORE`` (the launcher's agent hosts the rendezvous store) and
+``TORCHELASTIC_RESTART_COUNT`` (how often the agent has restarted the ranks). Without them a
+program runs as world size 1.
 """
 
 from __future__ import annotations
@@ -43,9 +49,20 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["BACKENDS", "LaunchInfo", "Settings", "launch_info", "settings"]
+__all__ = [
+    "BACKENDS",
+    "CHECKPOINT_DIR",
+    "CHECKPOINT_EVERY",
+    "LaunchInfo",
+    "Settings",
+    "launch_info",
+    "settings",
+]
 
 BACKENDS = ("gloo", "nccl", "auto")
+# Set by `gossamer run --checkpoint-dir/--checkpoint-every`, read by checkpoint.autoresume.
+CHECKPOINT_DIR = "GOSSAMER_CHECKPOINT_DIR"
+CHECKPOINT_EVERY = "GOSSAMER_CHECKPOINT_EVERY"
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -60,6 +77,8 @@ class Settings:
     timeline: str | None = None  # path prefix of the Chrome-trace timeline; None is off
     # BlueFog's file prefix (BLUEFOG_TIMELINE), honoured by the facade's init; None is off
     bluefog_timeline: str | None = None
+    checkpoint_dir: str | None = None  # automatic checkpoints (checkpoint.autoresume)
+    checkpoint_every: int | None = None  # steps between them
 
 
 @dataclass(frozen=True)
@@ -74,6 +93,7 @@ class LaunchInfo:
     master_addr: str | None = None
     master_port: int | None = None
     agent_store: bool = False  # the store at MASTER_ADDR:MASTER_PORT is the launcher agent's
+    restart_count: int = 0  # how often torchrun's agent restarted the ranks (this attempt)
 
     @property
     def launched(self) -> bool:
@@ -125,6 +145,8 @@ def settings(env: Mapping[str, str] | None = None) -> Settings:
         log_level=level,
         timeline=env.get("GOSSAMER_TIMELINE") or None,
         bluefog_timeline=env.get("BLUEFOG_TIMELINE") or None,
+        checkpoint_dir=env.get(CHECKPOINT_DIR) or None,
+        checkpoint_every=_int(env, CHECKPOINT_EVERY, minimum=1),
     )
 
 
@@ -148,4 +170,5 @@ def launch_info(env: Mapping[str, str] | None = None) -> LaunchInfo:
         master_addr=env.get("MASTER_ADDR") or None,
         master_port=_int(env, "MASTER_PORT", minimum=1),
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", minimum=0) or 0,
     )

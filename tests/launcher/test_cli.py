@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from gossamer.launcher import cli
@@ -190,3 +192,29 @@ def test_the_hidden_agent_flag_parses_but_is_not_in_the_help():
     run = cli.build_parser()._subparsers._group_actions[0].choices["run"]
     assert "--hosts-agent" not in run.format_help()
     assert "--tag-output" in run.format_help() and "--log-dir" in run.format_help()
+
+
+def test_fault_options_reach_torchrun():
+    plan = _plan(["run", "-np", "2", "--elastic", "--max-restarts", "3", "a.py"])
+    assert "--max-restarts=3" in plan.torchrun
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--min-ranks", "2"], "--min-ranks needs --elastic"),
+        (["--checkpoint-dir", "ck"], "--checkpoint-dir and --checkpoint-every go together"),
+        (["--checkpoint-every", "5"], "--checkpoint-dir and --checkpoint-every go together"),
+        (["-H", "localhost:2", "--max-restarts", "1"], "--max-restarts needs the c10d"),
+    ],
+)
+def test_bad_fault_options_are_refused(argv, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        _plan(["run", "-np", "2", *argv, "a.py"])
+
+
+@pytest.mark.parametrize("value", ["-1", "x"])
+def test_bad_max_restarts_exits_2(value, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "-np", "2", "--max-restarts", value, "a.py"])
+    assert "--max-restarts must be an integer >= 0" in capsys.readouterr().err

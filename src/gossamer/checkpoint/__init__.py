@@ -16,6 +16,10 @@ Example:
     >>> gossamer.checkpoint.save("ckpt/step100", model, opt, extra={"epoch": 3})
     >>> # ... a new job, with the same number of ranks:
     >>> extra = gossamer.checkpoint.load("ckpt/step100", model, opt)
+
+:class:`AutoResume` saves every N steps and, in a job that torchrun restarted
+(``gossamer run --max-restarts K --checkpoint-dir D --checkpoint-every N``), resumes from
+the newest complete checkpoint on its own.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gossamer import context, ops
+from gossamer.checkpoint._auto import AutoResume
 from gossamer.checkpoint._files import (
     MANIFEST,
     RECORD,
@@ -44,7 +49,7 @@ from gossamer.checkpoint._state import capture, check_fit, check_plain, set_rng
 from gossamer.errors import NotInitializedError
 from gossamer.optim.base import DecentralizedOptimizer
 
-__all__ = ["MANIFEST", "CheckpointError", "load", "save"]
+__all__ = ["MANIFEST", "AutoResume", "CheckpointError", "load", "save"]
 
 
 def save(

@@ -29,6 +29,7 @@ from gossamer.launcher.signals import (
     interrupted_message,
     kill_process_trees,
 )
+from gossamer.launcher.surviving import SurvivingAgent, surviving_agents
 
 __all__ = ["RankOutput", "run_agent"]
 
@@ -104,6 +105,8 @@ def run_agent(
     tag_output: bool = False,
     log_dir: str | None = None,
     announce_interrupt: bool = True,
+    elastic: bool = False,
+    min_ranks: int = 1,
 ) -> int:
     """Run one torchrun agent here until its ranks end; return the launcher's exit code.
 
@@ -115,10 +118,15 @@ def run_agent(
         log_dir (str, optional): existing directory for per-rank output files.
         announce_interrupt (bool): print the one "interrupted" line (not for agents that a
             ``-H`` launcher started: it prints the line for the whole job).
+        elastic (bool): a rank's death does not stop the others while ``min_ranks`` of
+            this agent's ranks are alive (:class:`~gossamer.launcher.surviving.SurvivingAgent`).
+        min_ranks (int): see ``elastic``.
 
     Returns:
-        0, the first failed rank's exit code (128 + signal for a killed rank), 128 +
-        signal when the launcher was interrupted, or 1 when the rendezvous failed.
+        0 (with ``elastic``: also when ranks were lost but the others finished with code 0;
+        a line names each lost rank), the first failed rank's exit code (128 + signal for a
+        killed rank), 128 + signal when the launcher was interrupted, or 1 when the
+        rendezvous failed.
     """
     if not verbose:
         _silence_torchrun()
@@ -144,8 +152,12 @@ def run_agent(
             config, cmd, cmd_args = torchrun.config_from_args(args)
             config.logs_specs = output
             config.signals_to_handle = _TORCH_SIGNALS
-            elastic_launch(config, cmd)(*cmd_args)
+            agents: list[SurvivingAgent] = []
+            with surviving_agents(min_ranks, agents) if elastic else contextlib.nullcontext():
+                elastic_launch(config, cmd)(*cmd_args)
             code = 0
+            if agents:
+                messages = _survival_report(agents[-1])
         finally:
             interruption.disarm()
     except ChildFailedError as err:
@@ -184,16 +196,28 @@ def _silence_torchrun() -> None:
             logger.addHandler(logging.NullHandler())  # else logging's last resort prints
 
 
+def _survival_report(agent: SurvivingAgent) -> list[str]:
+    lines = []
+    for rank, failure in sorted(agent.lost.items()):
+        lines.append(
+            f"gossamer run: rank {rank} (local rank {failure.local_rank}, pid "
+            f"{failure.pid}) {_how(failure.exitcode)}; the others went on (--elastic)"
+        )
+    return lines
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        return f"was killed by signal {signal.Signals(-code).name}"
+    return f"failed with exit code {code}"
+
+
 def _failure_report(err: ChildFailedError) -> tuple[int, list[str]]:
     rank, failure = err.get_first_failure()
     code = failure.exitcode
-    how = (
-        f"was killed by signal {signal.Signals(-code).name}"
-        if code < 0
-        else f"failed with exit code {code}"
-    )
     lines = [
-        f"gossamer run: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
+        f"gossamer run: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+        f"{_how(code)}"
     ]
     for other in sorted(r for r in err.failures if r != rank):
         lines.append(

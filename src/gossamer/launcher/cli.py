@@ -18,6 +18,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 
+from gossamer.env import CHECKPOINT_DIR, CHECKPOINT_EVERY
 from gossamer.launcher.hosts import AGENT_FLAG, parse_hosts, place, run_hosts, watch_parent
 from gossamer.launcher.signals import Interrupted, Interruption, interrupted_message
 
@@ -37,6 +38,10 @@ _VALUED = {
     "--network-interface",
     "--ssh-port",
     "--log-dir",
+    "--min-ranks",
+    "--max-restarts",
+    "--checkpoint-dir",
+    "--checkpoint-every",
 }
 # Single-machine jobs rendezvous through gossamer.launcher.loopback (its BACKEND); named here
 # too because importing that module imports torch.
@@ -48,6 +53,15 @@ def _positive_int(name: str):
     def parse(text: str) -> int:
         if not text.isdigit() or int(text) < 1:
             raise argparse.ArgumentTypeError(f"{name} must be an integer >= 1; got {text!r}")
+        return int(text)
+
+    return parse
+
+
+def _count(name: str):
+    def parse(text: str) -> int:
+        if not text.isdigit():
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0; got {text!r}")
         return int(text)
 
     return parse
@@ -105,6 +119,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write each rank's output to DIR/rank.<k>.stdout and DIR/rank.<k>.stderr",
     )
     run.add_argument("--verbose", action="store_true", help="show torchrun's own log")
+    fault = run.add_argument_group("fault tolerance (docs/fault-tolerance.md)")
+    fault.add_argument(
+        "--elastic",
+        action="store_true",
+        help="a rank that dies (or fails) does not stop the others while --min-ranks ranks "
+        "of this machine are alive; for scripts that train with elastic=True gossip. Exit "
+        "code 0 when the others finish with 0 (a line names each lost rank)",
+    )
+    fault.add_argument(
+        "--min-ranks",
+        type=_positive_int("--min-ranks"),
+        help="with --elastic: fewer live ranks on this machine fail the job (default 1)",
+    )
+    fault.add_argument(
+        "--max-restarts",
+        type=_count("--max-restarts"),
+        default=0,
+        help="restart every rank up to K times when the job fails (default 0); with "
+        "--checkpoint-dir the ranks resume from the newest checkpoint",
+    )
+    fault.add_argument(
+        "--checkpoint-dir",
+        help="directory of automatic checkpoints: the ranks' gossamer.checkpoint.autoresume "
+        "saves there and resumes from the newest complete one",
+    )
+    fault.add_argument(
+        "--checkpoint-every",
+        type=_positive_int("--checkpoint-every"),
+        help="with --checkpoint-dir: steps between automatic checkpoints",
+    )
     # Given by a -H launcher to the agents it starts (see hosts.watch_parent).
     run.add_argument(AGENT_FLAG, action="store_true", dest="hosts_agent", help=argparse.SUPPRESS)
     return parser
@@ -146,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = _plan(args, command)
     except ValueError as err:
         return _fail(parser, str(err))
+    if args.checkpoint_dir:
+        # The ranks inherit the launcher's environment; gossamer.checkpoint.autoresume reads it.
+        os.environ[CHECKPOINT_DIR] = os.path.abspath(args.checkpoint_dir)
+        os.environ[CHECKPOINT_EVERY] = str(args.checkpoint_every)
     if args.network_interface:
         os.environ["GLOO_SOCKET_IFNAME"] = args.network_interface
         os.environ["NCCL_SOCKET_IFNAME"] = args.network_interface
@@ -171,6 +219,13 @@ def _launch(
         agent_options.append(f"--network-interface={args.network_interface}")
     if args.verbose:
         agent_options.append("--verbose")
+    if args.elastic:
+        agent_options += ["--elastic", f"--min-ranks={args.min_ranks or 1}"]
+    if args.checkpoint_dir:
+        agent_options += [
+            f"--checkpoint-dir={os.path.abspath(args.checkpoint_dir)}",
+            f"--checkpoint-every={args.checkpoint_every}",
+        ]
     if plan.hosts:
         return run_hosts(
             plan.hosts,
@@ -191,6 +246,8 @@ def _launch(
         tag_output=args.tag_output,
         log_dir=plan.log_dir,
         announce_interrupt=not args.hosts_agent,
+        elastic=args.elastic,
+        min_ranks=args.min_ranks or 1,
     )
 
 
@@ -234,6 +291,7 @@ def _plan(args: argparse.Namespace, command: list[str]) -> _Plan:
     if command[0] != "-m" and not os.path.isfile(command[0]):
         raise ValueError(f"script {command[0]!r} does not exist")
     log_dir = _log_dir(args.log_dir)
+    _check_fault_options(args)
     if args.hosts and (args.nnodes or args.rdzv_endpoint):
         raise ValueError("-H/--hosts cannot be combined with --nnodes/--rdzv-endpoint")
     if args.hosts:
@@ -285,13 +343,28 @@ def _plan(args: argparse.Namespace, command: list[str]) -> _Plan:
             "--rdzv-endpoint=127.0.0.1:0",
             f"--rdzv-id={args.rdzv_id or uuid.uuid4().hex[:12]}",
         ]
-    torchrun += [f"--nproc-per-node={per_node}", "--max-restarts=0"]
+    torchrun += [f"--nproc-per-node={per_node}", f"--max-restarts={args.max_restarts}"]
     if command[0] == "-m":
         torchrun += ["--module", *command[1:]]
     else:
         torchrun += command
     loopback = nnodes == 1 and not args.rdzv_endpoint
     return _Plan(None, torchrun, loopback, log_dir)
+
+
+def _check_fault_options(args: argparse.Namespace) -> None:
+    if args.min_ranks is not None and not args.elastic:
+        raise ValueError("--min-ranks needs --elastic")
+    if (args.checkpoint_dir is None) != (args.checkpoint_every is None):
+        raise ValueError("--checkpoint-dir and --checkpoint-every go together")
+    if args.checkpoint_dir == "":
+        raise ValueError("--checkpoint-dir must name a directory; got ''")
+    if args.max_restarts and (args.hosts or args.node_rank is not None):
+        # A static rendezvous cannot bring the other machines' agents into a restart.
+        raise ValueError(
+            "--max-restarts needs the c10d rendezvous: use --nnodes with --rdzv-endpoint "
+            "(without -H or --node-rank) on each machine"
+        )
 
 
 def _log_dir(path: str | None) -> str | None:

@@ -1,0 +1,105 @@
+"""Killing 1 of 4 ranks midway vs an uninterrupted 3-rank run, on digits (issue 17's target).
+
+    python -m benchmarks.elastic_digits                 # seeds 0 and 1 (~4 jobs)
+    python -m benchmarks.elastic_digits --seeds 0 1 2 --epochs 5
+
+Run from the repository root. For every seed it runs ``examples/elastic_digits.py`` twice
+through the launcher:
+
+- ``gossamer run -np 4 --elastic examples/elastic_digits.py --seed S`` (rank 2 SIGKILLs
+  itself at 40 % of the run; the 3 survivors go on with ``elastic=True`` gossip);
+- ``gossamer run -np 3 examples/elastic_digits.py --seed S --no-kill`` (the reference).
+
+and reports the final test accuracy (mean over the ranks that finished), the difference,
+the launcher's exit code, and for the killed run the time from the kill to each survivor's
+next completed step among the survivors (the stall; the example's own measurement). Writes
+``results/elastic_digits/{results.json,table.md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "elastic_digits.py"
+_FLOAT = r"([0-9.]+)"
+
+
+def _job(np_: int, options: list[str], args: list[str], out: Path) -> tuple[int, str, float]:
+    cmd = [sys.executable, "-m", "gossamer.launcher", "run", "-np", str(np_), *options]
+    cmd += [str(EXAMPLE), "--out", str(out), *args]
+    start = time.time()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    return done.returncode, done.stdout + done.stderr, time.time() - start
+
+
+def run_seed(seed: int, epochs: int, out: Path) -> dict:
+    """The killed 4-rank run and the 3-rank reference of one seed."""
+    common = ["--seed", str(seed), "--epochs", str(epochs)]
+    code_k, text_k, wall_k = _job(4, ["--elastic"], common, out / f"killed{seed}")
+    code_r, text_r, wall_r = _job(3, [], [*common, "--no-kill"], out / f"ref{seed}")
+    killed = re.search(rf"mean over the 3 survivors: {_FLOAT}%", text_k)
+    ref = re.search(rf"mean over the 3 ranks: {_FLOAT}%", text_r)
+    stalls = [float(v) for v in re.findall(rf"next completed step {_FLOAT} s after", text_k)]
+    if not (killed and ref and stalls):
+        raise RuntimeError(f"seed {seed}: unexpected output\n{text_k}\n{text_r}")
+    return {
+        "seed": seed,
+        "killed_acc": float(killed.group(1)),
+        "reference_acc": float(ref.group(1)),
+        "stall_s": stalls,
+        "launcher_exit_killed": code_k,
+        "launcher_exit_reference": code_r,
+        "wall_s": [round(wall_k, 1), round(wall_r, 1)],
+        "killed_output": text_k,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table of the runs."""
+    lines = [
+        "| seed | 4 ranks, rank 2 killed at 40 % | 3 ranks, no kill | difference (points) "
+        "| kill -> next step (s), per survivor | launcher exit (killed, reference) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        stall = ", ".join(f"{s:.2f}" for s in r["stall_s"])
+        lines.append(
+            f"| {r['seed']} | {r['killed_acc']:.2f} % | {r['reference_acc']:.2f} % | "
+            f"{r['killed_acc'] - r['reference_acc']:+.2f} | {stall} | "
+            f"{r['launcher_exit_killed']}, {r['launcher_exit_reference']} |"
+        )
+    diffs = [r["killed_acc"] - r["reference_acc"] for r in rows]
+    stalls = [s for r in rows for s in r["stall_s"]]
+    lines.append(
+        f"\nmean difference {statistics.mean(diffs):+.2f} points; stall {min(stalls):.2f}-"
+        f"{max(stalls):.2f} s (median {statistics.median(stalls):.2f} s)"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("results/elastic_digits"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seed in args.seeds:
+        rows.append(run_seed(seed, args.epochs, args.out))
+        print(table(rows[-1:]).splitlines()[2], flush=True)
+    text = table(rows)
+    print(text)
+    (args.out / "table.md").write_text(text + "\n")
+    (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

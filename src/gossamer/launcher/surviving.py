@@ -1,0 +1,104 @@
+"""``gossamer run --elastic``: a torchrun agent that lets the other ranks run when one dies.
+
+torchrun's :class:`LocalElasticAgent` asks its process context whether the ranks are done
+(``pcontext.wait(0)``), and the context *itself* stops every rank as soon as one has
+failed; the agent then restarts the group or gives up. Ranks that train with
+``elastic=True`` gossip could have gone on. :class:`SurvivingAgent` changes only that
+policy: it polls the rank processes itself, records a rank that failed (killed, or a
+non-zero exit) as *lost*, and reports the group healthy while at least ``min_ranks`` of
+this agent's ranks are alive (running, or finished with code 0). Below that it reports
+the group failed with every loss so far, and torchrun does what it always does: restart
+the group (``--max-restarts``) or stop it. When every rank has ended and at least
+``min_ranks`` ended with code 0, the group has succeeded; the lost ranks are kept in
+:attr:`SurvivingAgent.lost` for the launcher's report.
+
+:func:`launch_agent` of torch has no parameter for the agent's class, so
+:func:`surviving_agents` swaps the name it looks up for the duration of one launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+__all__ = ["SurvivingAgent", "surviving_agents"]
+
+
+class SurvivingAgent(LocalElasticAgent):
+    """A :class:`LocalElasticAgent` whose ranks outlive a dead peer.
+
+    Args:
+        min_ranks (int): the fewest of this agent's ranks that must be alive (running or
+            finished with code 0); fewer fails the group (torchrun then restarts it or
+            stops). 1 lets the job run on as long as any rank does.
+        **kwargs: :class:`LocalElasticAgent`'s arguments.
+
+    Attributes:
+        lost (dict[int, ProcessFailure]): global rank -> failure of each rank lost in the
+            current attempt (cleared when torchrun restarts the group).
+    """
+
+    def __init__(self, *, min_ranks: int = 1, **kwargs: Any) -> None:
+        if min_ranks < 1:
+            raise ValueError(f"min_ranks must be >= 1; got {min_ranks}")
+        super().__init__(**kwargs)
+        self.min_ranks = min_ranks
+        self.lost: dict[int, ProcessFailure] = {}
+        self._watched: object | None = None  # the process context `lost` belongs to
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        pcontext = self._pcontext
+        handlers = getattr(pcontext, "subprocess_handlers", None)
+        if handlers is None:  # function entry points (not started by the launcher)
+            return super()._monitor_workers(worker_group)
+        if pcontext is not self._watched:  # a new attempt: forget the last one's losses
+            self._watched, self.lost = pcontext, {}
+        running = 0
+        for local_rank, handler in handlers.items():
+            code = handler.proc.poll()
+            global_rank = worker_group.workers[local_rank].global_rank
+            if code is None:
+                running += 1
+            elif code != 0 and global_rank not in self.lost:
+                self.lost[global_rank] = ProcessFailure(
+                    local_rank=local_rank,
+                    pid=handler.proc.pid,
+                    exitcode=code,
+                    error_file=pcontext.error_files[local_rank],  # type: ignore[union-attr]
+                )
+        if len(handlers) - len(self.lost) < self.min_ranks:
+            # torchrun's own path from here: stop the rest, then restart or give up.
+            return RunResult(state=WorkerState.FAILED, failures=dict(self.lost))
+        if running:
+            return RunResult(state=WorkerState.HEALTHY)
+        # Every rank needs a value (torchrun records an event per rank); a process has none.
+        done = {w.global_rank: None for w in worker_group.workers}
+        return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
+
+
+@contextlib.contextmanager
+def surviving_agents(min_ranks: int, made: list[SurvivingAgent]) -> Iterator[None]:
+    """Make torch's ``elastic_launch`` start :class:`SurvivingAgent` agents meanwhile.
+
+    Args:
+        min_ranks (int): every agent's ``min_ranks``.
+        made (list[SurvivingAgent]): the agents made are appended to it, in order.
+    """
+
+    def make(**kwargs: Any) -> SurvivingAgent:
+        agent = SurvivingAgent(min_ranks=min_ranks, **kwargs)
+        made.append(agent)
+        return agent
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = make  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]

@@ -1,0 +1,92 @@
+"""checkpoint.AutoResume in one process (plain torch, no init): when it saves, what it keeps,
+which checkpoint it resumes from, and its settings. The restart under `gossamer run` is in
+tests/launcher/test_elastic_run.py."""
+
+import pytest
+import torch
+from torch import nn
+
+from gossamer import checkpoint
+from gossamer.checkpoint import AutoResume
+
+
+def _job():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _train(auto, model, opt, total):
+    for _ in range(auto.steps, total):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).square().mean().backward()
+        opt.step()
+        auto.after_step(extra={"seen": auto.steps + 1})
+
+
+def test_saves_every_n_steps_keeps_the_newest_and_resumes_exactly(tmp_path):
+    model, opt = _job()
+    auto = AutoResume(model, opt, directory=tmp_path, every=3, keep=2)
+    assert auto.enabled and auto.steps == 0 and auto.resumed_from is None
+    _train(auto, model, opt, 8)  # saves after steps 3 and 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000003", "step00000006"]
+    _train(auto, model, opt, 10)  # step 9 saved, step 3 pruned
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000006", "step00000009"]
+    want = [p.detach().clone() for p in model.parameters()]
+
+    model, opt = _job()  # a restart: fresh objects, other random state
+    torch.manual_seed(123)
+    auto = AutoResume(model, opt, directory=tmp_path, every=3)
+    assert auto.steps == 9 and auto.extra == {"seen": 9}
+    assert auto.resumed_from == tmp_path / "step00000009"
+    _train(auto, model, opt, 10)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), want, strict=True))
+
+
+def test_an_incomplete_newest_checkpoint_is_skipped(tmp_path):
+    model, opt = _job()
+    auto = AutoResume(model, opt, directory=tmp_path, every=2, keep=5)
+    _train(auto, model, opt, 4)
+    (tmp_path / "step00000004" / checkpoint.MANIFEST).unlink()  # a save cut short
+    (tmp_path / "step00000099").mkdir()  # no manifest at all
+    auto = AutoResume(*_job(), directory=tmp_path, every=2)
+    assert auto.steps == 2 and auto.resumed_from == tmp_path / "step00000002"
+
+
+def test_the_launcher_variables_are_the_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("GOSSAMER_CHECKPOINT_DIR", str(tmp_path / "ck"))
+    monkeypatch.setenv("GOSSAMER_CHECKPOINT_EVERY", "2")
+    model, opt = _job()
+    auto = AutoResume(model, opt)
+    assert auto.directory == tmp_path / "ck" and auto.every == 2
+    _train(auto, model, opt, 2)
+    assert (tmp_path / "ck" / "step00000002" / checkpoint.MANIFEST).is_file()
+
+
+def test_off_without_a_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("GOSSAMER_CHECKPOINT_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    model, opt = _job()
+    auto = AutoResume(model, opt)
+    assert not auto.enabled
+    _train(auto, model, opt, 5)
+    assert auto.steps == 5 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"directory": 5, "every": 1}, TypeError, "directory must be a str or os.PathLike; got 5"),
+        (
+            {"directory": "d"},
+            ValueError,
+            "every must be an integer >= 1 with a directory; got None",
+        ),
+        ({"directory": "d", "every": 0}, ValueError, "got 0"),
+        ({"directory": "d", "every": 1, "keep": 0}, ValueError, "keep must be an integer >= 1"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, words, monkeypatch):
+    monkeypatch.delenv("GOSSAMER_CHECKPOINT_EVERY", raising=False)
+    with pytest.raises(error, match=words):
+        AutoResume(*_job(), **kwargs)
