@@ -172,15 +172,11 @@ def _clique_averaging(model, base, s):
     return _built(LATER["clique-avg"])(base, model, cliques)
 
 
-def _on_graph(name):
-    def build(model, base, s):
-        return _built(LATER[name])(base, model, topology=s.graph)
-
-    return build
-
-
 def _undirected(name):
-    """NGC sends cross-gradients back along every edge: exp-2 made undirected (MH weights)."""
+    """The graph made undirected, with Metropolis-Hastings weights (a ring is unchanged).
+
+    NGC sends cross-gradients back along every edge; DACFL's recursion needs symmetric mixing.
+    """
 
     def build(model, base, s):
         adjacency = s.graph.adjacency
@@ -209,7 +205,8 @@ METHODS: dict[str, Method] = {
     "clique-avg": Method(_clique_averaging, False, LATER["clique-avg"], counted=False),
     "ngc": Method(_undirected("ngc"), True, LATER["ngc"], closure=True, counted=False),
     "compngc": Method(_undirected("compngc"), True, LATER["compngc"], closure=True, counted=False),
-    "dacfl": Method(_on_graph("dacfl"), True, LATER["dacfl"]),
+    # DACFL needs symmetric mixing (its recursion diverges on exp-2's directed weights)
+    "dacfl": Method(_undirected("dacfl"), True, LATER["dacfl"]),
     "ngo": Method(_ngo, True, LATER["ngo"]),
 }
 

@@ -7,6 +7,7 @@ matrices, with torch's SGD for the local update.
 """
 
 import copy
+import itertools
 
 import numpy as np
 import pytest
@@ -195,17 +196,31 @@ def test_compressed_ngc_converges_like_ngc():
 
 
 # ---------------------------------------------------------------- DACFL
+def _matchings(n, r):
+    """A symmetric time-varying graph: round k pairs r with r XOR 2^(k mod log2 n), weights 1/2.
+
+    DACFL needs symmetric W(k) (its paper's assumption): on the one-peer exponential
+    schedule, whose W(k) has complex eigenvalues, its recursion diverges.
+    """
+    bits = max(1, (n - 1).bit_length())
+    for k in itertools.count():
+        partner = r ^ (1 << (k % bits))
+        yield topo.Step.uniform([partner], [partner])
+
+
 def _schedule_for(n, r, dynamic):
     if dynamic:
-        return {"schedule": topo.one_peer_exponential(topo.exponential_two(n), r)}
+        return {"schedule": _matchings(n, r)}
     return {"topology": topo.ring(n)}
 
 
-def _run_dacfl(steps, dynamic):
+def _run_dacfl(steps, dynamic, period=1):
     n, r = gossamer.size(), gossamer.rank()
     A, b = least_squares_data(r)
     model = _model(r)
-    opt = optim.DACFL(_sgd(model), model, **_schedule_for(n, r, dynamic))
+    opt = optim.DACFL(
+        _sgd(model), model, num_steps_per_communication=period, **_schedule_for(n, r, dynamic)
+    )
     out = []
     for _ in range(steps):
         opt.zero_grad()
@@ -219,7 +234,7 @@ def _mixing_matrices(n, dynamic, steps):
     """W(k) for every step, assembled from every rank's own schedule."""
     if not dynamic:
         return [topo.ring(n).weights] * steps
-    schedules = [topo.one_peer_exponential(topo.exponential_two(n), r) for r in range(n)]
+    schedules = [_matchings(n, r) for r in range(n)]
     out = []
     for _ in range(steps):
         W = np.zeros((n, n))
@@ -232,61 +247,93 @@ def _mixing_matrices(n, dynamic, steps):
     return out
 
 
-def _simulate_dacfl(n, steps, dynamic, lr=LR, momentum=MOMENTUM):
-    """Returns per step (thetas, xs)."""
-    thetas = [_start(i) for i in range(n)]
-    xs = [t.clone() for t in thetas]
+def _simulate_dacfl(n, steps, dynamic, lr=LR, momentum=MOMENTUM, period=1):
+    """DACFL for all ranks; per step (the parameters, the estimates x).
+
+    theta_i(r+1) = `period` SGD steps from x_i(r); x_i(r+1) = sum_j W_ji x_j(r) +
+    theta_i(r+1) - theta_i(r); the parameters are reset to x_i(r+1) after each round.
+    """
+    xs = [_start(i) for i in range(n)]
+    trained = [x.clone() for x in xs]  # theta_i(r)
+    params = [x.clone() for x in xs]
     v = [None] * n
+    rounds = iter(_mixing_matrices(n, dynamic, steps // period + 1))
     out = []
-    for W in _mixing_matrices(n, dynamic, steps):
-        new = []
+    for k in range(steps):
         for i in range(n):
-            g = _grad(thetas[i], i)
+            g = _grad(params[i], i)
             v[i] = g if v[i] is None else momentum * v[i] + g
-            new.append(thetas[i] - lr * v[i])
-        xs = [m + new[i] - thetas[i] for i, m in enumerate(_mix(W, xs))]
-        thetas = new
-        out.append((thetas, xs))
+            params[i] = params[i] - lr * v[i]
+        if (k + 1) % period == 0:
+            xs = [m + params[i] - trained[i] for i, m in enumerate(_mix(next(rounds), xs))]
+            trained, params = params, [x.clone() for x in xs]
+        out.append((list(params), list(xs)))
     return out
 
 
-@pytest.mark.parametrize(("world_size", "dynamic"), [(2, False), (4, True)])
-def test_dacfl_matches_the_one_process_simulation(world_size, dynamic):
-    got = run_distributed(_run_dacfl, world_size, args=(STEPS, dynamic))
-    want = _simulate_dacfl(world_size, STEPS, dynamic)
-    for k in range(STEPS):
-        thetas, xs = want[k]
+@pytest.mark.parametrize(
+    ("world_size", "dynamic", "period"), [(2, False, 1), (4, True, 1), (3, False, 2)]
+)
+def test_dacfl_matches_the_one_process_simulation(world_size, dynamic, period):
+    steps = 2 * STEPS if period > 1 else STEPS
+    got = run_distributed(_run_dacfl, world_size, args=(steps, dynamic, period))
+    want = _simulate_dacfl(world_size, steps, dynamic, period=period)
+    for k in range(steps):
+        params, xs = want[k]
         for i in range(world_size):
-            torch.testing.assert_close(got[i][k][0], thetas[i], msg=f"theta step {k} rank {i}")
+            torch.testing.assert_close(got[i][k][0], params[i], msg=f"model step {k} rank {i}")
             torch.testing.assert_close(got[i][k][1], xs[i], msg=f"x step {k} rank {i}")
-        # FODAC keeps the average of x equal to the average of the local models.
-        torch.testing.assert_close(sum(xs) / world_size, sum(thetas) / world_size)
+    # Between rounds the model holds its estimate: the next local training starts from it.
+    for i in range(world_size):
+        torch.testing.assert_close(got[i][-1][0], got[i][-1][1])
 
 
-def _simulate_dsgd(n, steps, lr):
-    """Plain DSGD (adapt-with-combine) on the same schedule: x_i <- sum_j W_ji x_j - lr g_i."""
+def test_dacfl_tracks_the_average_of_the_trained_models():
+    """FODAC's invariant: mean_i x_i(r) = mean_i theta_i(r) after every round."""
+    n, period = 4, 3
+    xs0 = [_start(i) for i in range(n)]
+    trained, params, xs, v = list(xs0), list(xs0), list(xs0), [None] * n
+    for W in _mixing_matrices(n, True, 5):
+        for _ in range(period):
+            for i in range(n):
+                g = _grad(params[i], i)
+                v[i] = g if v[i] is None else MOMENTUM * v[i] + g
+                params[i] = params[i] - LR * v[i]
+        xs = [m + params[i] - trained[i] for i, m in enumerate(_mix(W, xs))]
+        trained, params = params, list(xs)
+        torch.testing.assert_close(sum(xs) / n, sum(trained) / n)
+    # and the simulation used by the distributed test is this same recursion
+    sim = _simulate_dacfl(n, 5 * period, True, period=period)
+    torch.testing.assert_close(sim[-1][1][0], xs[0])
+
+
+def _simulate_dsgd(n, steps, lr, dynamic):
+    """Plain DSGD (adapt-with-combine) on the same graph: x_i <- sum_j W_ji x_j - lr g_i."""
     xs = [_start(i) for i in range(n)]
-    for W in _mixing_matrices(n, True, steps):
+    for W in _mixing_matrices(n, dynamic, steps):
         xs = [m - lr * _grad(xs[i], i) for i, m in enumerate(_mix(W, xs))]
     return xs
 
 
-def test_dacfl_tracks_the_average_model_closer_than_dsgd_on_a_time_varying_graph():
-    """Skewed data (each rank its own least squares), one-peer exponential schedule.
+def test_dacfl_reaches_the_optimum_of_the_average_loss_where_dsgd_stays_off_it():
+    """Skewed data (each rank its own least squares), a static ring (symmetric W).
 
-    DSGD's ranks stay apart by O(lr * gradient dissimilarity / spectral gap) forever; DACFL's
-    x_i follow the average of the local models, whose per-step change vanishes as each local
-    model settles, so their distance from the average model goes to zero.
+    DSGD's ranks settle O(lr * gradient dissimilarity / spectral gap) away from the minimiser
+    of the average loss (closed form here); DACFL's fixed point is consensual with a zero
+    average gradient, i.e. that minimiser. (On the time-varying matchings of `_matchings`
+    this recursion diverges: see docs/skew-optimizers.md.)
     """
-    n, steps, lr = 8, 300, 0.05
-    _, xs = _simulate_dacfl(n, steps, True, lr=lr, momentum=0.0)[-1]
-    dsgd = _simulate_dsgd(n, steps, lr)
+    n, steps, lr = 8, 600, 0.05
+    problems = [least_squares_data(i) for i in range(n)]
+    hessian = sum(A.T @ A / len(b) for A, b in problems)
+    optimum = torch.linalg.solve(hessian, sum(A.T @ b / len(b) for A, b in problems))
+    _, xs = _simulate_dacfl(n, steps, False, lr=lr, momentum=0.0)[-1]
+    dsgd = _simulate_dsgd(n, steps, lr, False)
 
     def error(models):
-        mean = sum(models) / n
-        return max(float((m - mean).norm()) for m in models)
+        return max(float((m.reshape(-1) - optimum).norm()) for m in models)
 
-    assert error(xs) < 0.1 * error(dsgd), (error(xs), error(dsgd))
+    assert error(xs) < 0.01 * error(dsgd), (error(xs), error(dsgd))
 
 
 # ---------------------------------------------------------------- nonlinear gossip

@@ -11,7 +11,7 @@ class                         what a step does
 ``PushSum``                   asynchronous push-sum SGD, also on directed graphs
 ``CliqueAveraging``           average gradients in the D-Clique, momentum step, then combine
 ``NGC`` / ``CompNGC``         mix self- and cross-gradients (neighbours' data at this model)
-``DACFL``                     local training; dynamic average consensus tracks the mean model
+``DACFL``                     local training from a consensus estimate tracked by FODAC
 ``SkewScout``                 wraps one of the above; tunes its period to the accuracy loss
 ``FedHiSyn``                  ATC on a ring inside each speed group, global average per round
 ``CoCoFL``                    constrained ranks freeze layers (int8), masked averaging

@@ -1,26 +1,42 @@
-r"""DACFL: first-order dynamic average consensus (FODAC) tracking the average of local models.
+r"""DACFL: local training from a consensus estimate tracked by dynamic average consensus.
 
 Chen, Li, Zhu and Zhang, *DACFL: Dynamic Average Consensus Based Federated Learning in
-Decentralized Topology* (arXiv:2111.05505; Sensors 22(9), 2022). Every rank trains its own
-model :math:`\theta_i` with the wrapped optimizer on its own data, and keeps a second
-vector :math:`x_i`, its estimate of the network's average model
-:math:`\bar\theta = \frac1n \sum_j \theta_j`, updated by first-order dynamic average
-consensus (Zhu and Martinez, 2010):
+Decentralized Topology* (arXiv:2111.05505; Sensors 22(9), 2022). Every rank keeps
+:math:`x_i`, its estimate of the network's average model, and :math:`\theta_i`, the model its
+last local training produced. In round :math:`r` rank :math:`i` trains locally *starting from
+its estimate* (``num_steps_per_communication`` steps of the wrapped optimizer on its own
+data), then updates the estimate by first-order dynamic average consensus (FODAC; Zhu and
+Martinez, 2010) with the change of its trained model as the reference signal:
 
 .. math::
     x_i(0) = \theta_i(0),\qquad
-    x_i(k+1) = \sum_j W_{ji}(k)\, x_j(k) + \big(\theta_i(k+1) - \theta_i(k)\big).
+    \theta_i(r+1) = \mathrm{LocalTrain}_i\big(x_i(r)\big),\qquad
+    x_i(r+1) = \sum_j W_{ji}(r)\, x_j(r) + \big(\theta_i(r+1) - \theta_i(r)\big).
 
-With column-sum-one mixing (doubly stochastic :math:`W(k)`, e.g. Metropolis-Hastings
-weights or the one-peer exponential schedule) the average is tracked exactly,
-:math:`\frac1n\sum_i x_i(k) = \bar\theta(k)` at every step, and each :math:`x_i` follows
-:math:`\bar\theta` with an error of the order of the local models' change per step divided
-by the spectral gap. The graph may change every step (``schedule=``). Steps that do not
-communicate (``num_steps_per_communication > 1``) take :math:`W = I`.
+The model's parameters hold :math:`x_i(r)` at the start of every round, so the next local
+training and any evaluation between rounds read the estimate.
 
-The training itself does not read :math:`x_i`: the model's parameters stay
-:math:`\theta_i`. Evaluate the tracked average with :meth:`DACFL.averaged` (a context that
-swaps :math:`x_i` into the model) or read it with :meth:`DACFL.average_state`.
+With column-sum-one mixing (doubly stochastic :math:`W(r)`, e.g. Metropolis-Hastings weights
+or the one-peer exponential schedule) the average is tracked exactly:
+:math:`\frac1n\sum_i x_i(r) = \frac1n\sum_i \theta_i(r)` at every round. With one local SGD
+step per round, :math:`\theta_i(r+1) = x_i(r) - \eta\, g_i(x_i(r))`, the update reads
+
+.. math::
+    x(r+1) = W x(r) + x(r) - x(r-1) - \eta\,\big(g(x(r)) - g(x(r-1))\big),\qquad r \ge 1,
+
+(for :math:`r = 0` it is one adapt-with-combine step, :math:`W x(0) - \eta g(x(0))`): the
+gradient enters as a difference, as in gradient tracking and EXTRA. A fixed point is
+consensual (:math:`x = W x`) with :math:`\sum_i g_i(x) = 0`, the optimum of the average
+loss, where plain DSGD settles at an :math:`O(\eta)` distance from it under skew.
+
+Stability needs what the paper assumes, a **symmetric** doubly stochastic :math:`W`. In a
+direction where the loss is flat, a disagreement mode with eigenvalue :math:`\lambda` of
+:math:`W` evolves by :math:`z^2 - (1 + \lambda) z + 1 = 0`: both roots lie on the unit circle
+for real :math:`\lambda \in (-1, 1)` (no growth, but no decay either: only curvature damps
+it), and one root lies outside it for complex :math:`\lambda`. Directed graphs
+(``exponential_two``, the one-peer exponential schedule) therefore diverge; so did, in a
+one-process least-squares run, a schedule that switches between symmetric pairwise
+matchings. A static symmetric graph (a ring, Metropolis-Hastings weights) converges.
 """
 
 from __future__ import annotations
@@ -36,43 +52,52 @@ __all__ = ["DACFL"]
 
 
 class DACFL(DecentralizedOptimizer):
-    r"""FODAC tracking of the average model next to local training (see the module).
+    r"""DACFL: local training from the FODAC estimate of the average model (see the module).
+
+    Between rounds the model's parameters hold :math:`x_i`; during a round of
+    ``num_steps_per_communication`` steps they hold the local training under way. A round's
+    last :meth:`step` mixes :math:`x(r)` (started before the local step, so the exchange
+    overlaps it), adds :math:`\theta_i(r+1) - \theta_i(r)` and writes :math:`x_i(r+1)` into
+    the parameters. One model is sent per neighbour and round.
 
     Args:
-        optimizer (torch.optim.Optimizer): trains this rank's local model :math:`\theta_i`.
+        optimizer (torch.optim.Optimizer): the local training; its state (momentum) carries
+            over from round to round.
         model (nn.Module | Sequence[nn.Module]): the model(s) owning its parameters.
         **kwargs: the options of :class:`DecentralizedOptimizer`: ``topology=`` (static),
-            ``schedule=`` (a dynamic topology, e.g.
-            ``gossamer.topology.one_peer_exponential(g, rank)``), ``communicator=``,
-            ``num_steps_per_communication``, ``fusion_threshold_bytes``. The communicator
-            mixes :math:`x`; any neighbour-averaging one works (``NonlinearGossip``
-            too, though it tracks the average only with symmetric weights).
+            ``schedule=`` (a dynamic topology; see the module on stability),
+            ``communicator=``, ``num_steps_per_communication``, ``fusion_threshold_bytes``.
+            The communicator mixes :math:`x`; give it symmetric weights (an undirected
+            graph with ``metropolis_hastings_weights``).
 
     Example:
         >>> opt = DACFL(torch.optim.SGD(model.parameters(), lr=0.05), model,
-        ...             schedule=one_peer_exponential(exponential_two(n), rank))
+        ...             topology=ring(n))
         >>> loss_fn(model(x), y).backward()
-        >>> opt.step()              # local step of theta_i, then x_i's FODAC update
-        >>> with opt.averaged():    # evaluate x_i, the tracked average model
-        ...     accuracy = evaluate(model)
+        >>> opt.step()        # local step from x_i, FODAC update; the model now holds x_i
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model, **kwargs) -> None:
         super().__init__(optimizer, model, **kwargs)
         self.tracker: list[torch.Tensor] = [b.pack().clone() for b in self.buckets]
+        self.trained: list[torch.Tensor] = [x.clone() for x in self.tracker]  # theta_i(r)
 
     def step(self, closure=None):
-        r"""The wrapped optimizer's step on :math:`\theta_i`, then the FODAC update of x."""
-        pending: list = [None] * len(self.buckets)
-        if self._is_round():
-            # x(k) is known before the local step: its mixing overlaps the step.
-            self.communicator.next_round()
-            pending = [self.communicator.start(x, i) for i, x in enumerate(self.tracker)]
-        before = [b.pack().clone() for b in self.buckets]
+        r"""A local step; at a round's end, the FODAC update and :math:`x_i` into the model."""
+        if not self._is_round():
+            loss = self.optimizer.step(closure)
+            self.steps += 1
+            return loss
+        # x(r) is fixed for the whole round: its mixing overlaps the local step.
+        self.communicator.next_round()
+        pending = [self.communicator.start(x, i) for i, x in enumerate(self.tracker)]
         loss = self.optimizer.step(closure)
         for i, bucket in enumerate(self.buckets):
+            theta = bucket.pack().clone()
             mixed = self.tracker[i] if pending[i] is None else pending[i].wait()
-            self.tracker[i] = mixed + (bucket.pack() - before[i])
+            self.tracker[i] = mixed + (theta - self.trained[i])
+            self.trained[i] = theta
+            bucket.unpack(self.tracker[i], lambda p: p.data)
         self.steps += 1
         return loss
 
@@ -88,7 +113,11 @@ class DACFL(DecentralizedOptimizer):
 
     @contextlib.contextmanager
     def averaged(self) -> Iterator[None]:
-        r"""Within the block the model's parameters hold :math:`x_i`; :math:`\theta_i` after."""
+        r"""Within the block the parameters hold :math:`x_i`; what they held, after.
+
+        Between rounds that is the model itself; in the middle of a round (a period above
+        1) it evaluates the estimate instead of the local training under way.
+        """
         saved = [b.pack().clone() for b in self.buckets]
         try:
             for bucket, flat in zip(self.buckets, self.tracker, strict=True):
@@ -99,18 +128,22 @@ class DACFL(DecentralizedOptimizer):
                 bucket.unpack(flat, lambda p: p.data)
 
     def _comm_state(self) -> dict:
-        return {**super()._comm_state(), "tracker": [x.clone() for x in self.tracker]}
+        return {
+            **super()._comm_state(),
+            "tracker": [x.clone() for x in self.tracker],
+            "trained": [t.clone() for t in self.trained],
+        }
 
     def _load_comm_state(self, state: dict) -> None:
-        tracker = state.get("tracker")
-        if tracker is not None:
-            shapes = [tuple(b.flat.shape) for b in self.buckets]
-            got = [tuple(t.shape) for t in tracker]
+        shapes = [tuple(b.flat.shape) for b in self.buckets]
+        for key in ("tracker", "trained"):
+            got = [tuple(t.shape) for t in state.get(key, self.tracker)]
             if got != shapes:
                 raise ValueError(
-                    f"state['tracker'] has buckets of shapes {got}; this optimizer's are "
+                    f"state[{key!r}] has buckets of shapes {got}; this optimizer's are "
                     f"{shapes} (another model or fusion_threshold_bytes?)"
                 )
         super()._load_comm_state(state)
-        if tracker is not None:
-            self.tracker = [t.detach().clone() for t in tracker]
+        for key in ("tracker", "trained"):
+            if key in state:
+                setattr(self, key, [t.detach().clone() for t in state[key]])
