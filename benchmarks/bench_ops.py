@@ -12,7 +12,9 @@ gossamer operation to its raw torch.distributed equivalent:
 - static exponential-two ``neighbor_allreduce`` vs the same with the exp-2 peers.
 
 The bare exchange (no arithmetic) is shown too. gossamer's cost over the raw equivalent is
-the call header that catches mismatched calls and the hand-off to the communication thread.
+the call header that catches mismatched calls and the hand-off to the communication thread;
+two one-peer probes time each alone (the raw exchange after a raw 16-integer header round,
+and the raw exchange run on gossamer's communication thread).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 import gossamer
 from gossamer import topology as topo
+from gossamer import transport
 
 PRESETS = {
     "full": ([10_000, 1_000_000, 10_000_000], 25),
@@ -84,6 +87,19 @@ def _cases(x, rank, size):
         cases[(name, "raw batch_isend_irecv only")] = lambda d=dsts, s=srcs, b=bufs[name]: (
             _raw_exchange(x, b, d, s)
         )
+    # Where neighbor_allreduce's time goes beyond the raw exchange: its header round (a
+    # 16-integer exchange before the data), and the hand-off to the communication thread.
+    dsts, srcs = peers["one-peer"]
+    head, head_in = torch.zeros(16, dtype=torch.int64), {prv: torch.zeros(16, dtype=torch.int64)}
+
+    def two_rounds():
+        _raw_exchange(head, head_in, dsts, srcs)
+        _raw_mix(x, bufs["one-peer"], dsts, srcs)
+
+    cases[("one-peer", "probe: raw header round, then + combine")] = two_rounds
+    cases[("one-peer", "probe: raw + combine on gossamer's thread")] = lambda: transport.run(
+        "probe", lambda: _raw_mix(x, bufs["one-peer"], dsts, srcs), False
+    )
     cases[("one-peer", "gossamer neighbor_allreduce")] = lambda: gossamer.neighbor_allreduce(
         x, self_weight=0.5, src_weights={prv: 0.5}, dst_weights=[nxt]
     )
