@@ -15,7 +15,8 @@ per rank per step, for ``--steps`` steps (250; ``--quick``: 64 steps, ring only)
 training set is split three ways (:mod:`gossamer.data`): IID, Dirichlet(0.1) label skew,
 and 2 classes per rank. The methods (:data:`METHODS`):
 
-- ``atc``: adapt-then-combine on the graph (``ring`` or ``exp2``), every step;
+- ``atc``: adapt-then-combine on the graph (``ring`` or ``exp2``), every step
+  (``--atc-period``: every that many steps);
 - ``allreduce``: gradient allreduce, the centralized reference;
 - ``d-cliques``: ATC on a D-Cliques graph built from the label histograms (cliques of 4);
 - ``clumping``: ATC on a peer-clumping graph (degree 2, label histograms as the proxy);
@@ -37,7 +38,9 @@ are 2x slower), in every configuration, so the synchronous methods run at the sl
 pace and samples/s compare like with like.
 
 Reported per configuration: the final test accuracy (mean over ranks of each rank's own
-model), the gap to the same method on the IID split (points), the bytes each rank sent
+model), the gap to the same method on the IID split (points), the final accuracy of the
+network's average model (every rank's parameters averaged; no method deploys it, but it
+separates drift between the ranks from a worse mean), the bytes each rank sent
 (mean over ranks; counted from the rounds taken: a neighbour round sends the model to
 every out-neighbour, an allreduce of M bytes counts 2(n-1)/n*M as a ring allreduce does),
 and samples/s (all ranks' samples over the slowest rank's training time; evaluation
@@ -120,7 +123,8 @@ def _model(seed: int) -> nn.Module:
 
 # ---------------------------------------------------------------- builders
 def _atc(model, base, s):
-    return optim.AdaptThenCombine(base, model, topology=s.graph)
+    period = s.args.atc_period
+    return optim.AdaptThenCombine(base, model, topology=s.graph, num_steps_per_communication=period)
 
 
 def _allreduce(model, base, s):
@@ -188,7 +192,7 @@ def _undirected(name):
 
 
 def _ngo(model, base, s):
-    gossip = _built(LATER["ngo"])(s.graph)
+    gossip = _built(LATER["ngo"])(s.graph, power=s.args.ngo_power, step_size=s.args.ngo_step_size)
     return optim.AdaptThenCombine(base, model, communicator=gossip)
 
 
@@ -323,6 +327,26 @@ def _evaluate(opt, model, test) -> float:
         return _mean(_accuracy(model, *test))
 
 
+def _average_model_accuracy(model: nn.Module, test) -> float:
+    """Test accuracy of the network's average model (the ranks' parameters averaged)."""
+    params = list(model.parameters())
+    own = [p.detach().clone() for p in params]
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    with torch.no_grad():
+        offset = 0
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+    try:
+        return _accuracy(model, *test)
+    finally:
+        with torch.no_grad():
+            for p, value in zip(params, own, strict=True):
+                p.copy_(value)
+
+
 def run_one(name: str, method: Method, s: Setup, train, test) -> dict:
     """Train one configuration; the same row on every rank."""
     args = s.args
@@ -358,12 +382,16 @@ def run_one(name: str, method: Method, s: Setup, train, test) -> dict:
             samples += count * args.batch
             done += count
             curve.append((done, _evaluate(opt, model, test)))
+    averaged = getattr(opt, "averaged", None)
+    with averaged() if callable(averaged) else contextlib.nullcontext():
+        average_accuracy = _average_model_accuracy(model, test)
     sent = _mean(_sent_bytes(opt, model, s.size, s.rank)) if method.counted else float("nan")
     seconds = _max(clock.seconds)
     total_samples = _mean(samples) * s.size
     row = {
         "method": name,
         "accuracy": curve[-1][1],
+        "average_model_accuracy": average_accuracy,
         "curve": curve,
         "bytes_per_rank": sent,
         "samples_per_s": total_samples / seconds,
@@ -480,16 +508,18 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         f"{2 * args.delay_ms} ms sleep per step){', --quick' if args.quick else ''}.",
         "",
         "| partition | method | graph | final accuracy | gap to IID (points) | "
-        "MB sent per rank | samples/s |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "average model | MB sent per rank | samples/s |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         gap = "" if r["gap_to_iid"] is None else f"{r['gap_to_iid']:+.1f}"
         gap = "ref" if r["partition"] == "iid" else gap
         sent = "n/c" if np.isnan(r["bytes_per_rank"]) else f"{r['bytes_per_rank'] / 1e6:.2f}"
+        average = r.get("average_model_accuracy")
+        average = "" if average is None else f"{100 * average:.1f}%"
         lines.append(
             f"| {r['partition']} | {r['method']} | {r['graph']} | {100 * r['accuracy']:.1f}% | "
-            f"{gap} | {sent} | {r['samples_per_s']:.0f} |"
+            f"{gap} | {average} | {sent} | {r['samples_per_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -549,6 +579,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--skewscout-threshold", type=float, default=0.05, help="accuracy loss that shortens"
     )
     parser.add_argument("--skewscout-max-period", type=int, default=16)
+    parser.add_argument("--ngo-power", type=float, default=0.5, help="nonlinear gossip's p")
+    parser.add_argument(
+        "--ngo-step-size", type=float, default=0.5, help="nonlinear gossip's step size"
+    )
+    parser.add_argument(
+        "--atc-period", type=int, default=1, help="steps between the atc rows' averaging rounds"
+    )
     parser.add_argument(
         "--compngc-compression", default="topk:0.03", help="CompNGC's cross-gradient compressor"
     )
@@ -576,7 +613,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.eval_every = 16 if args.quick else 25
     if args.graphs is None:
         args.graphs = ["ring"] if args.quick else list(GRAPHS)
-    for name in ("ranks", "steps", "eval_every", "probe_every", "batch", "skewscout_max_period"):
+    for name in (
+        "ranks",
+        "steps",
+        "eval_every",
+        "probe_every",
+        "batch",
+        "skewscout_max_period",
+        "atc_period",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args

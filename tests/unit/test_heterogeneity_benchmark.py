@@ -28,10 +28,11 @@ def test_report_gives_gaps_to_the_same_method_on_iid():
     ]
     for r in rows:
         r.update(bytes_per_rank=2e6 if r["method"] == "atc" else float("nan"), samples_per_s=10)
+    rows[0]["average_model_accuracy"] = 0.95  # a row without it (older results) stays blank
     table = markdown(_with_gaps(rows), args).splitlines()
-    assert table[-3] == "| iid | atc | ring | 90.0% | ref | 2.00 | 10 |"
-    assert table[-2] == "| 2-classes | atc | ring | 40.0% | -50.0 | 2.00 | 10 |"
-    assert table[-1] == "| 2-classes | ngc | ring | 50.0% |  | n/c | 10 |"
+    assert table[-3] == "| iid | atc | ring | 90.0% | ref | 95.0% | 2.00 | 10 |"
+    assert table[-2] == "| 2-classes | atc | ring | 40.0% | -50.0 |  | 2.00 | 10 |"
+    assert table[-1] == "| 2-classes | ngc | ring | 50.0% |  |  | n/c | 10 |"
 
 
 @pytest.mark.slow
@@ -50,6 +51,7 @@ def test_a_tiny_run_as_a_world_of_one(tmp_path):
     assert "ngc" in [r["method"] for r in rows] or "ngc        not built yet" in done.stdout
     for r in rows:
         assert 0 <= r["accuracy"] <= 1 and r["curve"][-1][0] == 8
+        assert 0 <= r["average_model_accuracy"] <= 1
         # one rank sends nothing; uncounted methods report NaN
         assert r["bytes_per_rank"] == 0 or np.isnan(r["bytes_per_rank"])
     assert (tmp_path / "table.md").read_text().count("| iid |") == len(rows)

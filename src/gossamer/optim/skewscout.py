@@ -61,6 +61,20 @@ def _check_fraction(value: object, name: str, *, upper: float) -> float:
     return float(value)
 
 
+def _write(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
+    """Copy ``flat``'s slices into ``params`` in place.
+
+    Unlike ``vector_to_parameters``, which rebinds ``p.data`` to views of ``flat``, the
+    parameters keep their own storage, so nothing that holds it (fusion buffers, windows,
+    CUDA graphs) is cut off by a probe.
+    """
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
 class PeriodController:
     r"""The decision rule of SkewScout: a period that shrinks under loss and grows without.
 
@@ -274,13 +288,11 @@ class SkewScout:
             )
             self.probe_bytes += own.numel() * own.element_size()
         mine = self._accuracy()
-        with torch.no_grad():
-            nn.utils.vector_to_parameters(peer, params)
+        _write(peer, params)
         try:
             theirs = self._accuracy()
         finally:
-            with torch.no_grad():
-                nn.utils.vector_to_parameters(own, params)
+            _write(own, params)
         local = torch.tensor([mine - theirs], dtype=torch.float64)
         if context.size() > 1:
             if self.reduce == "mean":
