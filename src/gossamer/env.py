@@ -53,6 +53,7 @@ __all__ = [
     "BACKENDS",
     "CHECKPOINT_DIR",
     "CHECKPOINT_EVERY",
+    "DEAD_KEY",
     "LaunchInfo",
     "Settings",
     "launch_info",
@@ -63,6 +64,9 @@ BACKENDS = ("gloo", "nccl", "auto")
 # Set by `gossamer run --checkpoint-dir/--checkpoint-every`, read by checkpoint.autoresume.
 CHECKPOINT_DIR = "GOSSAMER_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "GOSSAMER_CHECKPOINT_EVERY"
+# The store key (plus a global rank) under which the launcher's agent marks a rank it saw
+# die; the ranks' liveness reads it (the one contract between the two, hence here).
+DEAD_KEY = "gossamer/dead/"
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 

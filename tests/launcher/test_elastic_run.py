@@ -32,7 +32,9 @@ SURVIVE = textwrap.dedent(r"""
         model(torch.randn(4, 3)).pow(2).mean().backward()
         opt.step()
     opt.synchronize()
-    os.write(1, f"rank {rank} finished 8 steps, live {gossamer.live_ranks()}\n".encode())
+    # The agent's tombstone for rank 0, where this rank's liveness reads it.
+    marked = gossamer.context.runtime().store.check(["gossamer/dead/0"])
+    os.write(1, f"rank {rank} finished 8 steps, live {gossamer.live_ranks()}, {marked}\n".encode())
     gossamer.shutdown()
 """)
 
@@ -79,8 +81,8 @@ def test_elastic_survivors_finish_and_the_launch_exits_0(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
     assert lines == [
-        "rank 1 finished 8 steps, live [1, 2]",
-        "rank 2 finished 8 steps, live [1, 2]",
+        "rank 1 finished 8 steps, live [1, 2], True",
+        "rank 2 finished 8 steps, live [1, 2], True",
     ]
     assert "gossamer run: rank 0 (local rank 0" in done.stderr
     assert "was killed by signal SIGKILL; the others went on (--elastic)" in done.stderr

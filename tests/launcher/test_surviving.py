@@ -32,7 +32,10 @@ def _monitor(agent, codes):
         agent._pcontext = _context(codes)
     for lr, code in enumerate(codes):
         agent._pcontext.subprocess_handlers[lr].proc.poll = lambda c=code: c
-    group = SimpleNamespace(workers=[SimpleNamespace(global_rank=4 + i) for i in range(len(codes))])
+    workers = [SimpleNamespace(global_rank=4 + i) for i in range(len(codes))]
+    # Not the agent's store: no tombstones (those are tested end to end).
+    spec = SimpleNamespace(rdzv_handler=SimpleNamespace(use_agent_store=False))
+    group = SimpleNamespace(workers=workers, spec=spec)
     return agent._monitor_workers(group)
 
 

@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": set(),
     "profiling": {"env", "errors"},
     "context": {"env", "errors", "profiling"},
-    "transport": {"context", "errors", "profiling", "topology"},
+    "transport": {"context", "env", "errors", "profiling", "topology"},
     "ops": {"transport", "context", "errors", "profiling", "topology", "combine"},
     "windows": {"ops", "transport", "context", "errors", "topology", "combine"}
     | {"compression", "profiling"},

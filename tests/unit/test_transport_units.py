@@ -60,6 +60,14 @@ def test_a_rank_whose_counter_stops_is_lost_and_a_silent_one_is_not(alive):
     assert alive.lost == {2}
 
 
+def test_a_rank_with_a_tombstone_is_lost_at_once(alive):
+    store = alive._store
+    for rank in (1, 2, 3):
+        store.set(f"gossamer/alive/{rank}", "1")
+    store.set("gossamer/dead/2", "1")  # what the launcher's agent writes
+    assert alive.check() == {2}  # no wait for the counter to go stale
+
+
 def test_an_unreachable_store_means_its_host_is_lost():
     live = Liveness(dist.HashStore(), rank=1, size=3, store_host=0)
 

@@ -19,15 +19,22 @@ the group (``--max-restarts``) or stop it. When every rank has ended and at leas
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from gossamer import env
+
 __all__ = ["SurvivingAgent", "surviving_agents"]
+
+logger = logging.getLogger("gossamer")
 
 
 class SurvivingAgent(LocalElasticAgent):
@@ -72,6 +79,7 @@ class SurvivingAgent(LocalElasticAgent):
                     exitcode=code,
                     error_file=pcontext.error_files[local_rank],  # type: ignore[union-attr]
                 )
+                self._mark_dead(worker_group, global_rank)
         if len(handlers) - len(self.lost) < self.min_ranks:
             # torchrun's own path from here: stop the rest, then restart or give up.
             return RunResult(state=WorkerState.FAILED, failures=dict(self.lost))
@@ -80,6 +88,28 @@ class SurvivingAgent(LocalElasticAgent):
         # Every rank needs a value (torchrun records an event per rank); a process has none.
         done = {w.global_rank: None for w in worker_group.workers}
         return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
+
+    def _mark_dead(self, worker_group: WorkerGroup, rank: int) -> None:
+        """Write ``rank``'s tombstone where its peers' liveness reads it (the agent's store).
+
+        The peers then confirm the death at once instead of waiting for its heartbeat to go
+        stale. Best effort: without it they still find the death by the heartbeat.
+        """
+        spec = worker_group.spec
+        if not spec.rdzv_handler.use_agent_store:
+            return  # the ranks' store is not this agent's: they judge by heartbeats
+        try:
+            store = dist.TCPStore(
+                worker_group.master_addr,
+                worker_group.master_port,
+                is_master=False,
+                timeout=timedelta(seconds=5),
+            )
+            # The prefix the ranks of this attempt use (gossamer.context, as torch's env://).
+            attempt = spec.max_restarts - self._remaining_restarts
+            dist.PrefixStore(f"/worker/attempt_{attempt}", store).set(f"{env.DEAD_KEY}{rank}", "1")
+        except Exception:
+            logger.warning("could not mark rank %d dead in the store", rank, exc_info=True)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,11 @@ a rank whose counter has not moved for :data:`DEAD_AFTER_S` is lost, and the ope
 raises :class:`~gossamer.errors.RankLostError` naming it. A rank found lost stays lost:
 every later operation raises at once.
 
+Under ``gossamer run --elastic`` the launcher's agent sees a rank's process end at once and
+writes a tombstone (``gossamer/dead/<rank>``, :data:`gossamer.env.DEAD_KEY`) to the same
+store; a rank with a tombstone is lost without waiting for its counter to go stale, so a
+death is confirmed within the agent's poll interval (0.1 s) instead of ``DEAD_AFTER_S``.
+
 Counters, not clocks, so clock skew between machines cannot make a live rank look dead; a
 rank is judged only on changes this rank observed itself. Nothing is read while operations
 complete normally, so the cost is one small store write per rank per :data:`BEAT_S`.
@@ -24,7 +29,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from gossamer import context
+from gossamer import context, env
 
 __all__ = ["BEAT_S", "DEAD_AFTER_S", "STALL_S", "Liveness", "get_liveness"]
 
@@ -91,12 +96,16 @@ class Liveness:
         try:
             with self._lock:
                 values = self._read(keys)
+                tombstones = {r for r in ranks if self._store.check([f"{env.DEAD_KEY}{r}"])}
         except Exception:
             # The store itself is unreachable: its host is gone, if we know which rank it is.
             if self._store_host is not None and self._store_host != self._rank:
                 self.lost.add(self._store_host)
             return set(self.lost)
         for rank, value in zip(ranks, values, strict=True):
+            if rank in tombstones:
+                self.lost.add(rank)
+                continue
             if value is None:
                 continue  # not started yet (still in init)
             last = self._seen.get(rank)
