@@ -20,6 +20,7 @@ from gossamer.compression import (
     RandomK,
     Sign,
     TopK,
+    get_compressor,
 )
 
 
@@ -295,6 +296,21 @@ def test_sign_is_scaled_by_the_mean_magnitude():
     y = Sign().decompress(Sign().compress(x))
     scale = x.abs().mean()
     torch.testing.assert_close(y, torch.where(x < 0, -scale, scale))
+
+
+@pytest.mark.parametrize("bucket", [1, 7, 512, 2000])
+def test_sign_with_buckets_scales_each_run_by_its_mean_magnitude(bucket):
+    x = _randn(1001, 17, torch.float64) * torch.linspace(0.01, 10, 1001, dtype=torch.float64)
+    c = Sign(bucket=bucket)
+    payload = c.compress(x)
+    runs = -(-1001 // bucket)
+    assert payload.nbytes == c.payload_nbytes(1001, torch.float64) == 8 * runs + 126
+    scales = torch.cat([x[i : i + bucket].abs().mean().reshape(1) for i in range(0, 1001, bucket)])
+    scale = scales.repeat_interleave(bucket)[:1001]
+    torch.testing.assert_close(c.decompress(payload), torch.where(x < 0, -scale, scale))
+    assert get_compressor(c.name) == c and c.name == f"sign:bucket={bucket}"
+    with pytest.raises(ValueError, match="bucket"):
+        Sign(bucket=-1)
 
 
 @pytest.mark.parametrize(

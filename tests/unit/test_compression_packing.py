@@ -163,7 +163,7 @@ def test_error_feedback_keys_reset_and_errors():
     ef = ErrorFeedback(Sign())
     ef.compress(torch.ones(3), key=0)
     ef.compress(torch.ones(2, 2), key=1)
-    assert repr(ef) == "ErrorFeedback(Sign(), residuals=2)"
+    assert repr(ef) == "ErrorFeedback(Sign(bucket=0), residuals=2)"
     with pytest.raises(
         ValueError, match=r"tensor for key=0 must match its residual \(\(3,\), torch.float32"
     ):

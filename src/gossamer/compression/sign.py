@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from gossamer.compression._common import Reader, block_slices, compute_dtype, join
+from gossamer.compression._common import Reader, block_slices, check_int, compute_dtype, join
 from gossamer.compression.base import Compressor
 from gossamer.compression.packing import pack_bits, packed_nbytes, unpack_bits
 
@@ -25,27 +25,59 @@ class Sign(Compressor):
     the convergence of SGD.
     Payload: the scale (float32; float64 for float64 tensors), then one bit per element.
 
-    Registry name: ``"sign"``.
+    With ``bucket=B`` (``"sign:bucket=512"``) every run of ``B`` consecutive elements gets
+    its own scale ``||x_B||_1 / |x_B|`` (the last run may be shorter): for a flat buffer of
+    several layers, whose gradients differ in scale, as EF-signSGD's per-layer scale does.
+    ``bucket=0`` (default): one scale for the whole tensor.
+
+    Registry name: ``"sign"``, ``"sign:bucket=<B>"``.
     """
 
     spec_name: ClassVar[str] = "sign"
 
+    bucket: int = field(default=0, kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_int(self.bucket, "bucket", 0)
+
+    def _scales(self, numel: int) -> int:
+        return 1 if self.bucket == 0 else -(-numel // self.bucket)
+
     def _nbytes(self, numel: int, dtype: torch.dtype) -> int:
-        return compute_dtype(dtype).itemsize + packed_nbytes(numel, 1)
+        return self._scales(numel) * compute_dtype(dtype).itemsize + packed_nbytes(numel, 1)
+
+    def _bucket_scales(self, flat: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+        """``||x_B||_1 / |x_B|`` per run of ``bucket`` elements (one run when 0)."""
+        numel = flat.numel()
+        if self.bucket == 0:
+            return (torch.linalg.vector_norm(flat, ord=1, dtype=cdt) / numel).reshape(1)
+        width, short = self.bucket, -numel % self.bucket
+        x = flat.to(cdt).abs()
+        if short:
+            x = torch.cat([x, x.new_zeros(short)])
+        sums = x.view(-1, width).sum(1)
+        counts = torch.full_like(sums, width)
+        counts[-1] = width - short
+        return sums / counts
 
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         numel, cdt = flat.numel(), compute_dtype(flat.dtype)
-        scale = torch.linalg.vector_norm(flat, ord=1, dtype=cdt) / numel
+        scale = self._bucket_scales(flat, cdt)
         signs = torch.empty(packed_nbytes(numel, 1), dtype=torch.uint8, device=flat.device)
         for block in block_slices(numel, flat.device):
             packed = pack_bits(flat[block] < 0, 1)
             signs[block.start // 8 : block.start // 8 + packed.numel()] = packed
-        return join(scale.reshape(1), signs)
+        return join(scale, signs)
 
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         reader = Reader(buffer)
-        scale = reader.take(1, compute_dtype(dtype))[0].to(dtype)
+        scales = reader.take(self._scales(numel), compute_dtype(dtype)).to(dtype)
         signs = reader.rest()
+        if self.bucket != 0:
+            negative = unpack_bits(signs, 1, numel)
+            ones = negative.view(torch.int8).mul_(-2).add_(1)
+            return ones.to(dtype).mul_(scales.repeat_interleave(self.bucket)[:numel])
+        scale = scales[0]
         out = torch.empty(numel, dtype=dtype, device=buffer.device)
         for block in block_slices(numel, buffer.device):
             negative = unpack_bits(signs[block.start // 8 :], 1, block.stop - block.start)

@@ -22,7 +22,9 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
 
     ``compression="topk:0.01"`` (or any compressor) averages through a
     :class:`~gossamer.communicators.CompressedAllreduce`, with error feedback by default for
-    biased compressors; ``communicator=`` takes any communicator object.
+    biased compressors; ``compression="powersgd:<rank>"`` runs torch's PowerSGD hook
+    (:class:`~gossamer.communicators.PowerSGDAllreduce`); ``communicator=`` takes any
+    communicator object.
     ``num_steps_per_communication=k`` accumulates the gradients of ``k`` backward passes
     locally and averages them on the ``k``-th (call :meth:`step` after it); :meth:`no_sync`
     skips communication for the backward passes inside it, as torch DDP's does. Parameters
