@@ -76,27 +76,6 @@ def configurations(compressors: list[str], gossip: bool) -> list[tuple[str, dict
     return rows
 
 
-def local_momentum(model: nn.Module, beta: float) -> None:
-    """Replace each gradient by its local momentum buffer before it is communicated.
-
-    ``m = beta m + g`` (torch SGD's buffer) is computed where the gradient arrives, ahead of
-    the optimizer's communication hook (hooks run in registration order), so the compressor
-    and its error feedback see the momentum-corrected update (DGC's momentum correction;
-    Zheng et al. 2019) and the optimizer is plain SGD. Uncompressed, the average of the
-    ranks' buffers is the buffer of the averaged gradients: the same run as global momentum.
-    """
-    buffers: dict[nn.Parameter, torch.Tensor] = {}
-
-    def hook(p: nn.Parameter) -> None:
-        m = buffers.get(p)
-        m = p.grad.detach().clone() if m is None else m.mul_(beta).add_(p.grad)
-        buffers[p] = m
-        p.grad.copy_(m)
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(hook)
-
-
 def train(options: dict, data, args) -> tuple[float, float, float]:
     """Train one configuration; return (mean test accuracy, bytes/step/rank, seconds)."""
     rank, size = gossamer.rank(), gossamer.size()
@@ -109,7 +88,7 @@ def train(options: dict, data, args) -> tuple[float, float, float]:
         base = torch.optim.Adam(model.parameters(), lr=args.lr)
     elif args.local_momentum:
         base = torch.optim.SGD(model.parameters(), lr=args.lr)
-        local_momentum(model, args.momentum)
+        optim.MomentumCorrection(model, args.momentum)
     else:
         base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     spec = options.get("compression")

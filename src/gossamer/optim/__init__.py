@@ -15,6 +15,7 @@ class                         what a step does
 ``SkewScout``                 wraps one of the above; tunes its period to the accuracy loss
 ``FedHiSyn``                  ATC on a ring inside each speed group, global average per round
 ``CoCoFL``                    constrained ranks freeze layers (int8), masked averaging
+``MomentumCorrection``        (a helper) momentum on each rank before the gradient is sent
 ============================  ==============================================================
 """
 
@@ -27,6 +28,7 @@ from gossamer.optim.combine import AdaptThenCombine, AdaptWithCombine
 from gossamer.optim.dacfl import DACFL
 from gossamer.optim.fedhisyn import FedHiSyn, group_by_speed, grouped_ring
 from gossamer.optim.gradient_allreduce import GradientAllreduce
+from gossamer.optim.momentum import MomentumCorrection
 from gossamer.optim.ngc import NGC, CompNGC
 from gossamer.optim.skewscout import PeriodController, SkewScout
 from gossamer.optim.utils import (
@@ -50,6 +52,7 @@ __all__ = [
     "DecentralizedOptimizer",
     "FedHiSyn",
     "GradientAllreduce",
+    "MomentumCorrection",
     "PeriodController",
     "PushSum",
     "SkewScout",

@@ -1,0 +1,90 @@
+"""Momentum correction: each rank's momentum applied before its gradient is communicated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MomentumCorrection"]
+
+
+class MomentumCorrection:
+    r"""Replace each gradient, as it is accumulated, by this rank's momentum buffer.
+
+    For every parameter, when backward has accumulated its gradient :math:`g_t`,
+
+    .. math::
+
+        m_t = \beta\, m_{t-1} + g_t, \qquad g_t \leftarrow m_t,
+
+    (torch SGD's buffer, :math:`m_1 = g_1`), so a compressed gradient average (with its error
+    feedback) sees the momentum-corrected update, as in DGC's momentum correction (Lin et
+    al., 2018): pair it with plain SGD (no momentum) in the wrapped optimizer. Uncompressed,
+    the average of the ranks' buffers is the buffer of the averaged gradients, so the run is
+    SGD with momentum on averaged gradients. Measured on the digits (docs/compression.md):
+    with it, 1-bit sign in blocks of 64, top-1 %, STC and QSGD end within 1 point of
+    uncompressed, where momentum on the averaged gradient left sign 6-7 points below.
+
+    Create it **before** the decentralized optimizer: gradient hooks run in the order they
+    were registered, and the optimizer's hook sends the gradient.
+
+    Args:
+        model (nn.Module): the model whose parameters' gradients are replaced.
+        momentum (float): :math:`\beta`, in [0, 1).
+
+    Example:
+        >>> correction = MomentumCorrection(model, momentum=0.9)
+        >>> opt = GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.05), model,
+        ...                         compression="sign:bucket=64")
+    """
+
+    def __init__(self, model: nn.Module, momentum: float) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        if isinstance(momentum, bool) or not isinstance(momentum, int | float):
+            raise TypeError(f"momentum must be a number; got {momentum!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1); got {momentum!r}")
+        self.momentum = float(momentum)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._handles = [p.register_post_accumulate_grad_hook(self._correct) for p in self._params]
+
+    def _correct(self, param: nn.Parameter) -> None:
+        key = id(param)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = param.grad.detach().clone()
+        else:
+            buffer.mul_(self.momentum).add_(param.grad)
+        param.grad.copy_(buffer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The momentum and each parameter's buffer (by its index in the model), cloned."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        buffers = {index[k]: b.clone() for k, b in self._buffers.items()}
+        return {"momentum": self.momentum, "buffers": buffers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the same model's parameters)."""
+        if state.get("momentum") != self.momentum:
+            raise ValueError(
+                f"state's momentum {state.get('momentum')!r} differs from {self.momentum!r}"
+            )
+        bad = [i for i in state["buffers"] if not 0 <= i < len(self._params)]
+        if bad:
+            raise ValueError(
+                f"state has buffers for parameters {bad}; the model has {len(self._params)}"
+            )
+        self._buffers = {
+            id(self._params[i]): b.clone().to(self._params[i].device)
+            for i, b in state["buffers"].items()
+        }
+
+    def remove(self) -> None:
+        """Remove the hooks: gradients are left as backward accumulates them."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
