@@ -122,8 +122,11 @@ def _post(
         remote = layout.machine_of[_global(group, peer)] != layout.machine_rank
         return _chunks(tensor, remote)
 
-    posts = [(dist.isend, p, c) for p, t in sends for c in pieces(p, t)]
-    posts += [(dist.irecv, p, c) for p, t in recvs for c in pieces(p, t)]
+    # Receives before sends: when both ends of a pair post their sends first (a pair
+    # swap), gloo ran the pair's two directions in turn, at half the link (21 MB on the
+    # emulated 1 Gbit network: 280-358 ms against 199-208 ms with receives first).
+    posts = [(dist.irecv, p, c) for p, t in recvs for c in pieces(p, t)]
+    posts += [(dist.isend, p, c) for p, t in sends for c in pieces(p, t)]
     if not posts:
         return []
     ops, index = [], {}
