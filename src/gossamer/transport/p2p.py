@@ -123,8 +123,9 @@ def _post(
         return _chunks(tensor, remote)
 
     # Receives before sends: when both ends of a pair post their sends first (a pair
-    # swap), gloo ran the pair's two directions in turn, at half the link (21 MB on the
-    # emulated 1 Gbit network: 280-358 ms against 199-208 ms with receives first).
+    # swap), gloo can run the pair's two directions in turn, at half the link (a raw
+    # 21 MB swap on the emulated 1 Gbit network: 343 ms, against 177-188 ms with
+    # receives first; see docs/benchmarks.md).
     posts = [(dist.irecv, p, c) for p, t in recvs for c in pieces(p, t)]
     posts += [(dist.isend, p, c) for p, t in sends for c in pieces(p, t)]
     if not posts:
