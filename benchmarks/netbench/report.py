@@ -48,6 +48,7 @@ ONE_PEER = (
     "raw-exchange/shift",
     "raw-exchange/swap",
     "raw-exchange/swap-duplex",
+    "raw-exchange/swap-recv-first",
     "raw-overlap/one-peer",
     "gossamer-exchange/one-peer",
     "bagua-decentralized",

@@ -51,6 +51,7 @@ STRATEGIES = (
     "raw-exchange/shift",
     "raw-exchange/swap",
     "raw-exchange/swap-duplex",
+    "raw-exchange/swap-recv-first",
     "raw-overlap/one-peer",
     "gossamer-exchange/one-peer",
     "choco-uint8/one-peer",
@@ -98,20 +99,27 @@ class RawOnePeer:
     """The reference row: after the local step, the flat model exchanged by hand.
 
     Serial (no overlap): ``isend``/``irecv`` of the flat parameters with the one-peer
-    exponential schedule's peer, in 32 chunks, then the average written back. With
-    ``duplex`` (the default), bytes from a lower to a higher rank travel on the world group
-    and the other way on a second group, as gossamer does: gloo moves the two directions of
-    one pair's connection in turn, so a pair swap on one group runs at half the link
-    (``raw-exchange/swap`` keeps one group to show it). It is what the wire allows, without
+    exponential schedule's peer, in 32 chunks, then the average written back. As gossamer
+    does by default: with ``duplex``, bytes from a lower to a higher rank travel on the
+    world group and the other way on a second group, and with ``recv_first`` the receives
+    are posted before the sends; a pair swap on one group with sends first runs at half
+    the link (``raw-exchange/swap`` shows it). It is what the wire allows, without
     gossamer's header, thread or combine.
     """
 
-    def __init__(self, sgd: torch.optim.Optimizer, model: nn.Module, duplex: bool = True):
+    def __init__(
+        self,
+        sgd: torch.optim.Optimizer,
+        model: nn.Module,
+        duplex: bool = True,
+        recv_first: bool = True,
+    ) -> None:
         self.sgd, self.params = sgd, list(model.parameters())
         self.flat = torch.cat([p.detach().flatten() for p in self.params])
         self.recv = torch.empty_like(self.flat)
         graph = topo.exponential_two(gossamer.size())
         self.schedule = topo.one_peer_exponential(graph, gossamer.rank())
+        self.recv_first = recv_first
         if duplex and not _TWIN:  # collective: every rank builds the same rows in order
             _TWIN.append(dist.new_group(list(range(gossamer.size()))))
         self.twin = _TWIN[0] if duplex else None
@@ -134,10 +142,14 @@ class RawOnePeer:
         rank = gossamer.rank()
         out = self.twin if rank > dst else None
         into = self.twin if src > rank else None
-        sends = [dist.isend(c, dst, out, k) for k, c in enumerate(self.flat.tensor_split(32))]
-        return sends + [
-            dist.irecv(c, src, into, k) for k, c in enumerate(self.recv.tensor_split(32))
-        ]
+
+        def sends() -> list:
+            return [dist.isend(c, dst, out, k) for k, c in enumerate(self.flat.tensor_split(32))]
+
+        def recvs() -> list:
+            return [dist.irecv(c, src, into, k) for k, c in enumerate(self.recv.tensor_split(32))]
+
+        return recvs() + sends() if self.recv_first else sends() + recvs()
 
     def _average(self) -> None:
         self.flat.add_(self.recv).div_(2)
@@ -285,9 +297,15 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
     if strategy in ("raw/one-peer", "raw-exchange/one-peer"):
         return model, RawOnePeer(sgd, model)
     if strategy.startswith("raw-exchange/s"):
-        # The two halves of the 4-rank one-peer schedule, alone: a shift, and a pair swap
-        # (on one process group, and with each direction on its own).
-        raw = RawOnePeer(sgd, model, duplex=strategy != "raw-exchange/swap")
+        # The two halves of the 4-rank one-peer schedule, alone: a shift, and a pair swap:
+        # on one group with sends posted first, with each direction on its own group, and
+        # on one group with receives posted first.
+        raw = RawOnePeer(
+            sgd,
+            model,
+            duplex=strategy in ("raw-exchange/shift", "raw-exchange/swap-duplex"),
+            recv_first=strategy not in ("raw-exchange/swap", "raw-exchange/swap-duplex"),
+        )
         raw.schedule = _fixed_peer(1 if strategy.endswith("shift") else size // 2)
         return model, raw
     if strategy == "gossamer-exchange/one-peer":
