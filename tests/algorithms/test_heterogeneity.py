@@ -230,11 +230,15 @@ def _run_dacfl(steps, dynamic, period=1):
     return out
 
 
-def _mixing_matrices(n, dynamic, steps):
-    """W(k) for every step, assembled from every rank's own schedule."""
+def _one_peer(n, rank):
+    return topo.one_peer_exponential(topo.exponential_two(n), rank)
+
+
+def _mixing_matrices(n, dynamic, steps, schedule=None):
+    """W(k) for every step, assembled from every rank's own schedule (DACFL's matchings)."""
     if not dynamic:
         return [topo.ring(n).weights] * steps
-    schedules = [_matchings(n, r) for r in range(n)]
+    schedules = [(schedule or _matchings)(n, r) for r in range(n)]
     out = []
     for _ in range(steps):
         W = np.zeros((n, n))
@@ -345,7 +349,7 @@ def _value(rank):
 def _run_ngo(rounds, power, eps, dynamic):
     n, r = gossamer.size(), gossamer.rank()
     if dynamic:
-        schedule = topo.one_peer_exponential(topo.exponential_two(n), r)
+        schedule = _one_peer(n, r)
         comm = communicators.NonlinearGossip(power=power, step_size=eps, schedule=schedule)
     else:
         comm = communicators.NonlinearGossip(topo.ring(n), power=power, step_size=eps)
@@ -359,7 +363,7 @@ def _run_ngo(rounds, power, eps, dynamic):
 
 def _simulate_ngo(n, rounds, power, eps, dynamic):
     xs, out = [_value(i) for i in range(n)], []
-    for W in _mixing_matrices(n, dynamic, rounds):
+    for W in _mixing_matrices(n, dynamic, rounds, schedule=_one_peer):
         xs = [
             xs[i]
             + eps
