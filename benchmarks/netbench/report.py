@@ -43,6 +43,7 @@ ONE_PEER = (
     "atc/one-peer",
     "atc-forward/one-peer",
     "awc/one-peer",
+    "awc-one-bucket/one-peer",
     "raw/one-peer",
     "raw-exchange/one-peer",
     "raw-exchange/shift",

@@ -46,6 +46,7 @@ STRATEGIES = (
     "atc/one-peer",
     "atc-forward/one-peer",
     "awc/one-peer",
+    "awc-one-bucket/one-peer",
     "raw/one-peer",
     "raw-exchange/one-peer",
     "raw-exchange/shift",
@@ -291,9 +292,12 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         # ATC whose rounds go front of the model first after the first bucket (send_order).
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
         return model, optim.AdaptThenCombine(sgd, model, schedule=schedule, send_order="forward")
-    if strategy == "awc/one-peer":
+    if strategy in ("awc/one-peer", "awc-one-bucket/one-peer"):
+        # awc-one-bucket: the whole model in one bucket (one exchange and one call header
+        # per step instead of one per 4 MiB bucket).
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
-        return model, optim.AdaptWithCombine(sgd, model, schedule=schedule)
+        fusion = {"fusion_threshold_bytes": 2**40} if "one-bucket" in strategy else {}
+        return model, optim.AdaptWithCombine(sgd, model, schedule=schedule, **fusion)
     if strategy in ("raw/one-peer", "raw-exchange/one-peer"):
         return model, RawOnePeer(sgd, model)
     if strategy.startswith("raw-exchange/s"):
