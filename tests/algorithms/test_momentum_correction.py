@@ -41,7 +41,7 @@ def _corrected(save_at):
         if step == save_at:  # a round trip through torch.save must not change the run
             saved = io.BytesIO()
             torch.save(correction.state_dict(), saved)
-            correction._buffers.clear()
+            correction.load_state_dict({"momentum": BETA, "buffers": {}})  # forget them all
             saved.seek(0)
             correction.load_state_dict(torch.load(saved, weights_only=True))
         opt.zero_grad()

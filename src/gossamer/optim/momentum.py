@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -49,22 +50,23 @@ class MomentumCorrection:
             raise ValueError(f"momentum must be in [0, 1); got {momentum!r}")
         self.momentum = float(momentum)
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._buffers: dict[int, torch.Tensor] = {}
-        self._handles = [p.register_post_accumulate_grad_hook(self._correct) for p in self._params]
+        self._buffers: list[torch.Tensor | None] = [None] * len(self._params)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._correct, i))
+            for i, p in enumerate(self._params)
+        ]
 
-    def _correct(self, param: nn.Parameter) -> None:
-        key = id(param)
-        buffer = self._buffers.get(key)
+    def _correct(self, index: int, param: nn.Parameter) -> None:
+        buffer = self._buffers[index]
         if buffer is None:
-            buffer = self._buffers[key] = param.grad.detach().clone()
+            buffer = self._buffers[index] = param.grad.detach().clone()
         else:
             buffer.mul_(self.momentum).add_(param.grad)
         param.grad.copy_(buffer)
 
     def state_dict(self) -> dict[str, Any]:
         """The momentum and each parameter's buffer (by its index in the model), cloned."""
-        index = {id(p): i for i, p in enumerate(self._params)}
-        buffers = {index[k]: b.clone() for k, b in self._buffers.items()}
+        buffers = {i: b.clone() for i, b in enumerate(self._buffers) if b is not None}
         return {"momentum": self.momentum, "buffers": buffers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -78,10 +80,9 @@ class MomentumCorrection:
             raise ValueError(
                 f"state has buffers for parameters {bad}; the model has {len(self._params)}"
             )
-        self._buffers = {
-            id(self._params[i]): b.clone().to(self._params[i].device)
-            for i, b in state["buffers"].items()
-        }
+        self._buffers = [None] * len(self._params)
+        for i, b in state["buffers"].items():
+            self._buffers[i] = b.clone().to(self._params[i].device)
 
     def remove(self) -> None:
         """Remove the hooks: gradients are left as backward accumulates them."""
