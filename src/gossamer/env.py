@@ -22,6 +22,9 @@ variable                       default    meaning
                                           ``gossamer run --checkpoint-dir``
 ``GOSSAMER_CHECKPOINT_EVERY``  unset      steps between automatic checkpoints; set by
                                           ``gossamer run --checkpoint-every``
+``GOSSAMER_CHECKPOINT_RESIZE`` ``0``      ``1``: automatic checkpoints resume on another
+                                          number of ranks (the saved ranks' average); set
+                                          by ``gossamer run --nnodes MIN:MAX``
 =============================  =========  ===================================================
 
 BlueFog's variables, for programs run through the BlueFog facade (:mod:`gossamer.bluefog`):
@@ -53,6 +56,7 @@ __all__ = [
     "BACKENDS",
     "CHECKPOINT_DIR",
     "CHECKPOINT_EVERY",
+    "CHECKPOINT_RESIZE",
     "DEAD_KEY",
     "LaunchInfo",
     "Settings",
@@ -64,6 +68,7 @@ BACKENDS = ("gloo", "nccl", "auto")
 # Set by `gossamer run --checkpoint-dir/--checkpoint-every`, read by checkpoint.autoresume.
 CHECKPOINT_DIR = "GOSSAMER_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "GOSSAMER_CHECKPOINT_EVERY"
+CHECKPOINT_RESIZE = "GOSSAMER_CHECKPOINT_RESIZE"
 # The store key (plus a global rank) under which the launcher's agent marks a rank it saw
 # die; the ranks' liveness reads it (the one contract between the two, hence here).
 DEAD_KEY = "gossamer/dead/"
@@ -83,6 +88,7 @@ class Settings:
     bluefog_timeline: str | None = None
     checkpoint_dir: str | None = None  # automatic checkpoints (checkpoint.autoresume)
     checkpoint_every: int | None = None  # steps between them
+    checkpoint_resize: bool = False  # resume them on another number of ranks
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,13 @@ def _int(env: Mapping[str, str], name: str, *, minimum: int) -> int | None:
     return value
 
 
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"environment variable {name} must be 0 or 1; got {raw!r}")
+    return raw == "1"
+
+
 def settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate gossamer's variables (from ``os.environ`` by default)."""
     env = os.environ if env is None else env
@@ -151,6 +164,7 @@ def settings(env: Mapping[str, str] | None = None) -> Settings:
         bluefog_timeline=env.get("BLUEFOG_TIMELINE") or None,
         checkpoint_dir=env.get(CHECKPOINT_DIR) or None,
         checkpoint_every=_int(env, CHECKPOINT_EVERY, minimum=1),
+        checkpoint_resize=_flag(env, CHECKPOINT_RESIZE),
     )
 
 

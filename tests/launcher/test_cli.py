@@ -63,6 +63,63 @@ def test_multi_machine_plan_uses_the_rendezvous_endpoint():
     assert plan.torchrun[4:] == ["--nproc-per-node=4", "--max-restarts=0", "--module", "m"]
 
 
+def test_a_range_of_machines_goes_to_c10d_and_lets_checkpoints_resize():
+    argv = [
+        "run",
+        "--nnodes",
+        "1:3",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-endpoint",
+        "h:9",
+        "--rdzv-conf",
+        "last_call_timeout=2",
+        "--max-restarts",
+        "1",
+        "a.py",
+    ]
+    plan = _plan(argv)
+    assert plan.resizable and not plan.loopback
+    assert plan.torchrun == [
+        "--nnodes=1:3",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=h:9",
+        "--rdzv-id=gossamer",
+        "--rdzv-conf=last_call_timeout=2",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "a.py",
+    ]
+    assert not _plan(
+        ["run", "-np", "4", "--nnodes", "2:2", "--rdzv-endpoint", "h:9", "a.py"]
+    ).resizable
+
+
+@pytest.mark.parametrize(
+    ("nodes", "extra", "words"),
+    [
+        ("1:2", [], "needs --rdzv-endpoint"),
+        ("1:2", ["--rdzv-endpoint", "h:1", "--node-rank", "0"], "cannot take --node-rank"),
+        ("1:2", ["--rdzv-endpoint", "h:1", "-np", "2"], "takes --nproc-per-node, not -np"),
+        ("1:2", ["--rdzv-endpoint", "h:1", "--elastic"], "--elastic cannot be combined"),
+    ],
+)
+def test_bad_ranges_of_machines_are_refused(nodes, extra, words):
+    argv = ["run", "--nnodes", nodes, "--nproc-per-node", "1", *extra, "a.py"]
+    with pytest.raises(ValueError, match=words):
+        _plan(argv)
+
+
+@pytest.mark.parametrize("nodes", ["0:2", "3:2", "1:", ":2", "a:b", "1:2:3"])
+def test_bad_nnodes_exits_2_and_names_it(nodes, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--nnodes", nodes, "--nproc-per-node", "1", "a.py"])
+    assert info.value.code == 2
+    assert f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX; got {nodes!r}" in (
+        capsys.readouterr().err
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [

@@ -45,6 +45,7 @@ from gossamer.checkpoint._files import (
     write_manifest,
     write_rank_file,
 )
+from gossamer.checkpoint._resize import averaged_payload
 from gossamer.checkpoint._state import capture, check_fit, check_plain, set_rng
 from gossamer.errors import NotInitializedError
 from gossamer.optim.base import DecentralizedOptimizer
@@ -124,8 +125,9 @@ def load(
     optimizer: DecentralizedOptimizer | torch.optim.Optimizer,
     *,
     restore_rng: bool = True,
+    resize: bool = False,
 ) -> Any:
-    """Restore this rank's state from a checkpoint that :func:`save` wrote; return ``extra``.
+    r"""Restore this rank's state from a checkpoint that :func:`save` wrote; return ``extra``.
 
     Collective: every rank calls it after building the model and the optimizer (same
     classes, model, ``fusion_threshold_bytes``, topology, and a fresh schedule if one is
@@ -139,15 +141,22 @@ def load(
         model (nn.Module | Sequence[nn.Module]): the model(s) to load into, as saved.
         optimizer (DecentralizedOptimizer | torch.optim.Optimizer): the optimizer.
         restore_rng (bool): also restore torch's, Python's and NumPy's random generators.
+        resize (bool): accept a checkpoint of another number of ranks ``n``. Then every
+            rank loads the mean of the ``n`` saved models, :math:`x_i = \frac{1}{n}
+            \sum_k x_k`, and of the wrapped torch optimizer's floating-point state, plus
+            saved rank 0's step counter and ``extra``; the communication state stays as the
+            new optimizer built it and the generators are not restored. Not exact (no
+            mapping of ``n`` models onto ``m`` ranks is); rank 0 must be able to read every
+            saved rank's file. With the same number of ranks it changes nothing.
 
     Returns:
-        the ``extra`` given to :func:`save`.
+        the ``extra`` given to :func:`save` (saved rank 0's after a resize).
 
     Raises:
         TypeError: a bad ``path``, ``model`` or ``optimizer``.
         FileNotFoundError: ``path`` is not a directory.
-        ValueError: the checkpoint was written by another number of ranks (elastic resize
-            is not supported), or it does not fit the model or optimizer.
+        ValueError: the checkpoint was written by another number of ranks and ``resize``
+            is False, or it does not fit the model or optimizer.
         CheckpointError: no manifest (an interrupted save), a file that does not match it,
             or another rank failed.
     """
@@ -157,16 +166,24 @@ def load(
     try:
         if not isinstance(restore_rng, bool):
             raise TypeError(f"restore_rng must be a bool; got {restore_rng!r}")
+        if not isinstance(resize, bool):
+            raise TypeError(f"resize must be a bool; got {resize!r}")
         directory = _directory(path)
         models, single = _models(model)
         _check_optimizer(optimizer, "load")
     except Exception as err:
         error = err
+    payload: dict = {}
+    resized = False
     try:
         # Collective, so every rank takes part even when its own arguments were bad.
         manifest = shared_manifest(rank, size, directory)
-        if error is None and directory is not None:
+        resized = resize and manifest["world_size"] != size
+        if resized:
+            payload = averaged_payload(directory, manifest, rank, size)  # collective too
+        elif error is None and directory is not None:
             payload = read_rank_file(directory, manifest, rank, size)
+        if error is None:
             check_fit(payload, single, len(models), optimizer)
     except Exception as err:
         error = error or err
@@ -177,13 +194,24 @@ def load(
         states = [payload["model"]] if single else payload["model"]
         for module, state in zip(models, states, strict=True):
             module.load_state_dict(state)
-        optimizer.load_state_dict(payload["optimizer"])
-        if restore_rng:
+        if resized:
+            _load_resized(optimizer, payload["optimizer"])
+        else:
+            optimizer.load_state_dict(payload["optimizer"])
+        if restore_rng and not resized:
             set_rng(payload["rng"])
     except Exception as err:
         error = err
     exchange(rank, size, error, [], "load")
     return payload["extra"]
+
+
+def _load_resized(optimizer: DecentralizedOptimizer | torch.optim.Optimizer, state: dict) -> None:
+    if isinstance(optimizer, DecentralizedOptimizer):
+        optimizer.optimizer.load_state_dict(state["optimizer"])
+        optimizer.steps = state["steps"]
+    else:
+        optimizer.load_state_dict(state["optimizer"])
 
 
 # ---------------------------------------------------------------------- arguments

@@ -7,6 +7,11 @@ rank dies, torchrun's agent restarts every rank (up to ``K`` times); each new ra
 manifest: :func:`~gossamer.checkpoint.save` writes it last) and the loop continues from the
 step it holds. The same script runs unchanged without the options: nothing is saved and it
 starts at step 0.
+
+``gossamer run --nnodes MIN:MAX`` lets the job change size at a restart (a machine joins
+or leaves); it sets ``GOSSAMER_CHECKPOINT_RESIZE=1``, and :class:`AutoResume` then resumes a
+checkpoint of another number of ranks with ``load(..., resize=True)``: every rank starts
+from the saved ranks' average.
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ class AutoResume:
             ``GOSSAMER_CHECKPOINT_EVERY`` (``--checkpoint-every``), required when a
             directory is given.
         keep (int): how many of the newest checkpoints to keep (>= 1).
+        resize (bool, optional): resume a checkpoint saved by another number of ranks
+            (every rank loads the saved ranks' average, see
+            :func:`~gossamer.checkpoint.load`); default ``GOSSAMER_CHECKPOINT_RESIZE``
+            (set by ``gossamer run --nnodes MIN:MAX``), else False.
 
     Attributes:
         steps (int): steps completed: 0 in a fresh job, the loaded checkpoint's step after
@@ -74,8 +83,12 @@ class AutoResume:
         directory: str | os.PathLike | None = None,
         every: int | None = None,
         keep: int = 2,
+        resize: bool | None = None,
     ) -> None:
         settings = env.settings()
+        resize = settings.checkpoint_resize if resize is None else resize
+        if not isinstance(resize, bool):
+            raise TypeError(f"resize must be a bool or None; got {resize!r}")
         if directory is None:
             directory = settings.checkpoint_dir
             every = every if every is not None else settings.checkpoint_every
@@ -89,7 +102,7 @@ class AutoResume:
             raise ValueError(f"keep must be an integer >= 1; got {keep!r}")
         self.model, self.optimizer = model, optimizer
         self.directory = None if directory is None else Path(directory)
-        self.every, self.keep = every, keep
+        self.every, self.keep, self.resize = every, keep, resize
         self.steps = 0
         self.extra: Any = None
         self.resumed_from: Path | None = None
@@ -130,7 +143,7 @@ class AutoResume:
         if newest < 0:
             return
         path = self.directory / f"step{newest:08d}"  # type: ignore[operator]
-        saved = load(path, self.model, self.optimizer)
+        saved = load(path, self.model, self.optimizer, resize=self.resize)
         self.steps, self.extra, self.resumed_from = saved["steps"], saved["extra"], path
 
     def _prune(self, newest: Path) -> None:

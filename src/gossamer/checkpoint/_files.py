@@ -9,6 +9,7 @@ import json
 import os
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,7 +24,9 @@ __all__ = [
     "RECORD",
     "CheckpointError",
     "exchange",
+    "from_rank0",
     "read_rank_file",
+    "read_saved",
     "shared_manifest",
     "write_manifest",
     "write_rank_file",
@@ -142,29 +145,42 @@ def read_manifest(directory: Path) -> dict:
 
 def shared_manifest(rank: int, size: int, directory: Path | None) -> dict:
     """Rank 0's manifest on every rank (the other ranks' machines may not have the file)."""
-    if size == 1:
+
+    def read() -> bytes:
         if directory is None:
-            raise CheckpointError("no valid path to read a manifest from")
-        return read_manifest(directory)
-    text, failure = b"", None
+            raise CheckpointError("rank 0 was given no valid path")
+        return json.dumps(read_manifest(directory)).encode()
+
+    if size == 1 and directory is None:
+        raise CheckpointError("no valid path to read a manifest from")
+    return json.loads(from_rank0(rank, size, read, "read the manifest"))
+
+
+def from_rank0(rank: int, size: int, produce: Callable[[], bytes], what: str) -> bytes:
+    """The bytes that ``produce()`` returns on rank 0, on every rank.
+
+    Collective. When ``produce`` raises on rank 0, rank 0 raises its error and every other
+    rank a :class:`CheckpointError` that quotes it, rather than waiting.
+    """
+    if size == 1:
+        return produce()
+    data, failure = b"", None
     if rank == 0:
         try:
-            if directory is None:
-                raise CheckpointError("rank 0 was given no valid path")
-            text = json.dumps(read_manifest(directory)).encode()
+            data = b"\x00" + produce()
         except Exception as err:
             failure = err
-            text = json.dumps({"error": f"{type(err).__name__}: {err}"}).encode()
-    length = ops.broadcast(torch.tensor([len(text)], dtype=torch.int64), root=0)
+            data = b"\x01" + f"{type(err).__name__}: {err}".encode()
+    length = ops.broadcast(torch.tensor([len(data)], dtype=torch.int64), root=0)
     received = torch.zeros(int(length[0]), dtype=torch.uint8)
     if rank == 0:
-        received = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    manifest = json.loads(ops.broadcast(received, root=0).numpy().tobytes())
+        received = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    data = ops.broadcast(received, root=0).numpy().tobytes()
     if failure is not None:
         raise failure
-    if "error" in manifest:
-        raise CheckpointError(f"rank 0 could not read the manifest: {manifest['error']}")
-    return manifest
+    if data[:1] == b"\x01":
+        raise CheckpointError(f"rank 0 could not {what}: {data[1:].decode()}")
+    return data[1:]
 
 
 def read_rank_file(directory: Path, manifest: dict, rank: int, size: int) -> dict:
@@ -173,13 +189,21 @@ def read_rank_file(directory: Path, manifest: dict, rank: int, size: int) -> dic
     if saved != size:
         raise ValueError(
             f"path {str(directory)!r} holds a checkpoint of world size {saved}; this job has "
-            f"world size {size}: resume with {saved} ranks (elastic resize is not supported)"
+            f"world size {size}: resume with {saved} ranks, or pass resize=True"
         )
+    return read_saved(directory, manifest, rank)
+
+
+def read_saved(directory: Path, manifest: dict, rank: int) -> dict:
+    """Saved rank ``rank``'s payload, once its file is found to match ``manifest``."""
     entry = manifest["files"][rank]
-    data = (directory / entry["file"]).read_bytes()
+    path = directory / entry["file"]
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing (listed in {MANIFEST})")
+    data = path.read_bytes()
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise CheckpointError(
-            f"{directory / entry['file']} does not match {MANIFEST} (size or SHA-256): it was "
+            f"{path} does not match {MANIFEST} (size or SHA-256): it was "
             "changed, or overwritten by a save that did not finish"
         )
     payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

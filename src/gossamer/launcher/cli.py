@@ -18,7 +18,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from gossamer.env import CHECKPOINT_DIR, CHECKPOINT_EVERY
+from gossamer.env import CHECKPOINT_DIR, CHECKPOINT_EVERY, CHECKPOINT_RESIZE
 from gossamer.launcher.hosts import AGENT_FLAG, parse_hosts, place, run_hosts, watch_parent
 from gossamer.launcher.signals import Interrupted, Interruption, interrupted_message
 
@@ -34,6 +34,7 @@ _VALUED = {
     "--nproc-per-node",
     "--rdzv-endpoint",
     "--rdzv-id",
+    "--rdzv-conf",
     "--node-rank",
     "--network-interface",
     "--ssh-port",
@@ -56,6 +57,17 @@ def _positive_int(name: str):
         return int(text)
 
     return parse
+
+
+def _nodes(text: str) -> tuple[int, int]:
+    """``--nnodes N`` or ``--nnodes MIN:MAX``, as (MIN, MAX)."""
+    low, colon, high = text.partition(":")
+    high = high if colon else low
+    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+        raise argparse.ArgumentTypeError(
+            f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX; got {text!r}"
+        )
+    return int(low), int(high)
 
 
 def _count(name: str):
@@ -91,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--nnodes",
-        type=_positive_int("--nnodes"),
-        help="machines in the job; run `gossamer run` on each with the same --rdzv-endpoint",
+        type=_nodes,
+        help="machines in the job, N or MIN:MAX (machines may join and leave: the ranks "
+        "restart, and --checkpoint-dir resumes them from the average); run `gossamer run` "
+        "on each with the same --rdzv-endpoint",
     )
     run.add_argument(
         "--nproc-per-node",
@@ -101,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (multi-machine)")
     run.add_argument("--rdzv-id", help="job id shared by all machines (default: a fixed one)")
+    run.add_argument(
+        "--rdzv-conf",
+        help="torchrun's rendezvous settings, e.g. last_call_timeout=5 (how long a job of "
+        "--nnodes MIN:MAX waits for more machines once MIN are there; default 30 s)",
+    )
     run.add_argument(
         "--node-rank",
         type=int,
@@ -190,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         plan = _plan(args, command)
     except ValueError as err:
         return _fail(parser, str(err))
+    if plan.resizable:
+        os.environ[CHECKPOINT_RESIZE] = "1"
+        # torch's c10d rendezvous shares its store with the ranks, but its rank 0 publishes
+        # the store's address only in the first round: a machine that joins a running job
+        # waits for it forever (torch 2.13, dynamic_rendezvous.next_rendezvous). Unshared,
+        # every round's rank 0 hosts a fresh store for its ranks.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if args.checkpoint_dir:
         # The ranks inherit the launcher's environment; gossamer.checkpoint.autoresume reads it.
         os.environ[CHECKPOINT_DIR] = os.path.abspath(args.checkpoint_dir)
@@ -283,6 +309,7 @@ class _Plan:
     torchrun: list[str]  # otherwise: torchrun's arguments for the agent in this process
     loopback: bool  # a single-machine job: everything on 127.0.0.1
     log_dir: str | None  # absolute
+    resizable: bool = False  # --nnodes MIN:MAX: the world size may change at a restart
 
 
 def _plan(args: argparse.Namespace, command: list[str]) -> _Plan:
@@ -298,7 +325,10 @@ def _plan(args: argparse.Namespace, command: list[str]) -> _Plan:
         if args.num_proc is None:
             raise ValueError("-np is required with -H/--hosts")
         return _Plan(place(args.num_proc, parse_hosts(args.hosts)), [], False, log_dir)
-    nnodes = args.nnodes or 1
+    low, nnodes = args.nnodes or (1, 1)
+    resizable = low < nnodes
+    if resizable:
+        _check_resizable(args)
     per_node = args.nproc_per_node
     if per_node is None:
         if args.num_proc is None:
@@ -330,7 +360,7 @@ def _plan(args: argparse.Namespace, command: list[str]) -> _Plan:
         ]
     elif args.rdzv_endpoint:
         torchrun = [
-            f"--nnodes={nnodes}",
+            f"--nnodes={low}:{nnodes}" if resizable else f"--nnodes={nnodes}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={args.rdzv_endpoint}",
             f"--rdzv-id={args.rdzv_id or 'gossamer'}",
@@ -343,13 +373,34 @@ def _plan(args: argparse.Namespace, command: list[str]) -> _Plan:
             "--rdzv-endpoint=127.0.0.1:0",
             f"--rdzv-id={args.rdzv_id or uuid.uuid4().hex[:12]}",
         ]
+    if args.rdzv_conf:
+        torchrun.append(f"--rdzv-conf={args.rdzv_conf}")
     torchrun += [f"--nproc-per-node={per_node}", f"--max-restarts={args.max_restarts}"]
     if command[0] == "-m":
         torchrun += ["--module", *command[1:]]
     else:
         torchrun += command
     loopback = nnodes == 1 and not args.rdzv_endpoint
-    return _Plan(None, torchrun, loopback, log_dir)
+    return _Plan(None, torchrun, loopback, log_dir, resizable)
+
+
+def _check_resizable(args: argparse.Namespace) -> None:
+    low, high = args.nnodes
+    if not args.rdzv_endpoint:
+        raise ValueError(f"--nnodes {low}:{high} needs --rdzv-endpoint host:port (c10d)")
+    if args.node_rank is not None:
+        raise ValueError(f"--nnodes {low}:{high} cannot take --node-rank (a static rendezvous)")
+    if args.nproc_per_node is None or args.num_proc is not None:
+        raise ValueError(
+            f"--nnodes {low}:{high} takes --nproc-per-node, not -np: the number of ranks "
+            "changes with the machines"
+        )
+    if args.elastic:
+        raise ValueError(
+            f"--elastic cannot be combined with --nnodes {low}:{high}: survivors that run on "
+            "without a rank, and ranks that restart when a machine joins, are two ways of "
+            "changing the job (not built together)"
+        )
 
 
 def _check_fault_options(args: argparse.Namespace) -> None:
