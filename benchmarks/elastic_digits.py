@@ -1,7 +1,7 @@
 """Killing 1 of 4 ranks midway vs an uninterrupted 3-rank run, on digits (issue 17's target).
 
     python -m benchmarks.elastic_digits                 # seeds 0 and 1 (~4 jobs)
-    python -m benchmarks.elastic_digits --seeds 0 1 2 --epochs 5
+    python -m benchmarks.elastic_digits --seeds 0 1 2 --steps 145
 
 Run from the repository root. For every seed it runs ``examples/elastic_digits.py`` twice
 through the launcher:
@@ -10,8 +10,10 @@ through the launcher:
   itself at 40 % of the run; the 3 survivors go on with ``elastic=True`` gossip);
 - ``gossamer run -np 3 examples/elastic_digits.py --seed S --no-kill`` (the reference);
 - ``gossamer run -np 4 examples/elastic_digits.py --seed S --no-kill`` (what the 4 ranks
-  reach without the kill: the example's steps per epoch follow the world size, so 4 ranks
-  take 3/4 of the 3-rank run's steps, which accounts for part of the gap).
+  reach without the kill).
+
+Every run takes the same number of steps (``--steps``, default 145: 5 epochs of the
+3-rank run); after the kill the survivors re-shard the data over the live ranks.
 
 and reports the final test accuracy (mean over the ranks that finished), the difference,
 the launcher's exit code, and for the killed run the time from the kill to each survivor's
@@ -42,9 +44,9 @@ def _job(np_: int, options: list[str], args: list[str], out: Path) -> tuple[int,
     return done.returncode, done.stdout + done.stderr, time.time() - start
 
 
-def run_seed(seed: int, epochs: int, out: Path) -> dict:
+def run_seed(seed: int, steps: int, out: Path) -> dict:
     """The killed 4-rank run and the 3-rank reference of one seed."""
-    common = ["--seed", str(seed), "--epochs", str(epochs)]
+    common = ["--seed", str(seed), "--steps", str(steps)]
     code_k, text_k, wall_k = _job(4, ["--elastic"], common, out / f"killed{seed}")
     code_r, text_r, wall_r = _job(3, [], [*common, "--no-kill"], out / f"ref{seed}")
     code_4, text_4, _ = _job(4, [], [*common, "--no-kill"], out / f"four{seed}")
@@ -95,13 +97,13 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=145, help="total steps of every run")
     parser.add_argument("--out", type=Path, default=Path("results/elastic_digits"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for seed in args.seeds:
-        rows.append(run_seed(seed, args.epochs, args.out))
+        rows.append(run_seed(seed, args.steps, args.out))
         print(table(rows[-1:]).splitlines()[2], flush=True)
     text = table(rows)
     print(text)

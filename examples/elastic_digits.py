@@ -13,7 +13,8 @@ SIGKILLs itself (no clean-up, as a crash or an OOM kill would). Its neighbours' 
 exchange with it fails, the heartbeats confirm the death, the survivors agree on the new
 live set through the rendezvous store (membership epoch 1), and they go on averaging over
 ``exponential_two(n).without([victim])`` (Sinkhorn re-weighting, doubly stochastic). The
-victim's data is lost with it; the survivors keep what its model had taught theirs.
+survivors keep what the victim's model had taught theirs, and take over its data: on the
+membership change each re-shards the training set over ``gossamer.live_ranks()``.
 ``--elastic`` makes the launcher's agent let the survivors run (without it, torchrun's agent
 stops every rank when one dies); its store holds the membership, so any rank may be the
 victim, rank 0 included. ``--no-kill`` runs the same job without a death (the reference of
@@ -37,6 +38,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,8 +67,7 @@ def train(args: argparse.Namespace) -> None:
     store = context.runtime().store
     train_set, (test_images, test_labels) = split(*load_digits(), 0.2, args.seed)
     images, labels = train_set[0][rank::size], train_set[1][rank::size]
-    steps_per_epoch = len(train_set[1]) // (size * args.batch_size)
-    total = args.epochs * steps_per_epoch
+    total = args.steps or args.epochs * (len(train_set[1]) // (size * args.batch_size))
     kill_step = round(args.kill_at * total)
 
     model = make_model(args.seed)  # the same seed: one starting point on every rank
@@ -75,21 +76,31 @@ def train(args: argparse.Namespace) -> None:
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(base, total)
     loss_fn = nn.CrossEntropyLoss()
     changes: list[dict] = []
-    gossamer.on_membership_change(
-        lambda c: changes.append({"t": time.time(), "epoch": c.epoch, "live": list(c.live)})
-    )
+    changed = threading.Event()
+
+    def on_change(change) -> None:  # on the communication thread: record, signal, return
+        changes.append({"t": time.time(), "epoch": change.epoch, "live": list(change.live)})
+        changed.set()
+
+    gossamer.on_membership_change(on_change)
     start = time.time()
     history = {"rank": rank, "start": start, "acc": [], "step_done": [], "changes": changes}
     generator = torch.Generator().manual_seed(args.seed * 10_000 + rank)
-    order = torch.randperm(len(labels), generator=generator)
+    order, at = torch.randperm(len(labels), generator=generator), 0
     for step in range(total):
         if rank == args.victim and step == kill_step and not args.no_kill:
             store.set(f"{_KEY}killed_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        at = (step % steps_per_epoch) * args.batch_size
-        if at == 0 and step:
-            order = torch.randperm(len(labels), generator=generator)
+        if changed.is_set():  # take over the dead ranks' data: re-shard over the live set
+            changed.clear()
+            live = gossamer.live_ranks()
+            images = train_set[0][live.index(rank) :: len(live)]
+            labels = train_set[1][live.index(rank) :: len(live)]
+            order, at = torch.randperm(len(labels), generator=generator), 0
+        if at + args.batch_size > len(order):  # the next pass over this rank's shard
+            order, at = torch.randperm(len(labels), generator=generator), 0
         batch = order[at : at + args.batch_size]
+        at += args.batch_size
         opt.zero_grad()
         loss_fn(model(images[batch]), labels[batch]).backward()
         opt.step()
@@ -167,7 +178,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=4, help="without a launcher")
     parser.add_argument("--victim", type=int, default=2, help="rank to kill")
     parser.add_argument("--kill-at", type=float, default=0.4, help="fraction of the run")
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=5, help="of the starting world size")
+    parser.add_argument("--steps", type=int, help="total steps (instead of --epochs)")
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=5, help="steps between accuracies")

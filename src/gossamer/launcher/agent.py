@@ -169,7 +169,7 @@ def run_agent(
             messages = [interrupted_message(len(output.started))]
     except RendezvousError as err:
         code = 1
-        messages = [f"gossamer run: the rendezvous failed: {err}"]
+        messages = [f"gossamer run: the rendezvous failed: {type(err).__name__}: {err}"]
     finally:
         # A signal can land between two steps of torchrun's start-up, before it tracks a
         # rank it has just started; ranks run in sessions of their own, so nothing else
