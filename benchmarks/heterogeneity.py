@@ -265,7 +265,7 @@ def _sent_bytes(opt: object, model: nn.Module, size: int, rank: int) -> float:
         total = comm.rounds
         global_rounds = total // every if every else 0
         if getattr(comm, "schedule", None) is not None:  # the one-peer schedule: one per round
-            degree = len(comm.step.send_ranks)
+            degree = 0 if comm.step is None else len(comm.step.send_ranks)
         else:
             degree = _degree(getattr(comm, "topology", None) or gossamer.get_topology(), rank)
         sent = (total - global_rounds) * mb * degree
