@@ -20,8 +20,9 @@ and 2 classes per rank. The methods (:data:`METHODS`):
 - ``allreduce``: gradient allreduce, the centralized reference;
 - ``d-cliques``: ATC on a D-Cliques graph built from the label histograms (cliques of 4);
 - ``clumping``: ATC on a peer-clumping graph (degree 2, label histograms as the proxy);
-- ``skewscout``: ATC on the graph, its period tuned by SkewScout (probe every 10 steps,
-  threshold 5 points of accuracy loss, period 1 to 16), each rank probing on 64 of its images;
+- ``skewscout``: ATC on the graph, its period tuned by SkewScout (probe every 20 steps,
+  threshold 10 points of accuracy loss, drift threshold 300, period 1 to 16), each rank
+  probing on 64 of its images;
 - ``fedhisyn``: groups by step time, ring inside each group, global average every 8 steps
   of the slow group (the fast group takes proportionally more steps). The step times are
   the simulated devices' (``--fedhisyn-speeds given``, the default: on a shared 2-core
@@ -29,9 +30,14 @@ and 2 classes per rank. The methods (:data:`METHODS`):
   or timed over 10 local steps (``measured``);
 - ``cocofl``: the slow ranks freeze the first layer and run it in int8 (they are not made
   faster for it: the simulated delay stays), averaging on the graph every step;
-- ``clique-avg``, ``ngc``, ``compngc``, ``dacfl`` (evaluated at its tracked average), ``ngo``:
+- ``clique-avg``, ``ngc``, ``compngc``, ``dacfl`` (evaluated at its tracked average,
+  correction gain ``--dacfl-correction``), ``ngo``:
   the other skew optimizers, when built (skipped with a line saying so otherwise; their
   bytes are not counted where they send more than one model per neighbour per round).
+
+Graphs (``--graphs``): ``ring``, ``exp2`` and ``onepeer``, a time-varying graph (exp-2 walked
+by the one-peer exponential schedule: one peer per round, shift 1, 2, 4, ...), on which only
+``atc``, ``skewscout`` and ``dacfl`` run.
 
 Uneven devices: every rank sleeps ``--delay-ms`` per step, the odd ranks twice that (they
 are 2x slower), in every configuration, so the synchronous methods run at the slow ranks'
@@ -71,8 +77,10 @@ from gossamer import data, optim
 from gossamer import topology as topo
 from gossamer.models import MLP
 
+DRIFT_THRESHOLD = 300.0  # SkewScout's drift threshold (see --skewscout-drift-threshold)
 PARTITIONS = ("iid", "dirichlet-0.1", "2-classes")
-GRAPHS = ("ring", "exp2")
+GRAPHS = ("ring", "exp2", "onepeer")  # onepeer: the one-peer exponential schedule on exp2
+DEFAULT_GRAPHS = ("ring", "exp2")
 # methods of the other skew optimizers: (module, class) that must exist for them to run
 LATER = {
     "clique-avg": ("gossamer.optim", "CliqueAveraging"),
@@ -95,6 +103,13 @@ class Setup:
     probe: tuple[torch.Tensor, torch.Tensor]
     slow: bool
     args: argparse.Namespace
+    dynamic: bool = False  # graph is exp2 walked by the one-peer exponential schedule
+
+    def mixing(self) -> dict:
+        """The optimizer's keyword for the graph: a static topology or a fresh schedule."""
+        if self.dynamic:
+            return {"schedule": topo.one_peer_exponential(self.graph, self.rank)}
+        return {"topology": self.graph}
 
 
 @dataclass
@@ -106,6 +121,7 @@ class Method:
     needs: tuple[str, str] | None = None  # (module, class) that may not be built yet
     closure: bool = False  # step(closure) computes the loss; the loop does no backward
     counted: bool = True  # whether _sent_bytes knows this method's traffic
+    dynamic: bool = False  # whether it runs on the time-varying "onepeer" graph
 
 
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -124,7 +140,7 @@ def _model(seed: int) -> nn.Module:
 # ---------------------------------------------------------------- builders
 def _atc(model, base, s):
     period = s.args.atc_period
-    return optim.AdaptThenCombine(base, model, topology=s.graph, num_steps_per_communication=period)
+    return optim.AdaptThenCombine(base, model, num_steps_per_communication=period, **s.mixing())
 
 
 def _allreduce(model, base, s):
@@ -143,10 +159,13 @@ def _clumping(model, base, s):
 
 
 def _skewscout(model, base, s):
-    atc = optim.AdaptThenCombine(base, model, topology=s.graph)
+    atc = optim.AdaptThenCombine(base, model, **s.mixing())
     x, y = s.probe
     control = optim.PeriodController(
-        threshold=s.args.skewscout_threshold, min_period=1, max_period=s.args.skewscout_max_period
+        threshold=s.args.skewscout_threshold,
+        drift_threshold=s.args.skewscout_drift_threshold or None,
+        min_period=1,
+        max_period=s.args.skewscout_max_period,
     )
     return optim.SkewScout(
         atc, lambda m: _accuracy(m, x, y), controller=control, probe_every=s.args.probe_every
@@ -179,7 +198,7 @@ def _clique_averaging(model, base, s):
 def _undirected(name):
     """The graph made undirected, with Metropolis-Hastings weights (a ring is unchanged).
 
-    NGC sends cross-gradients back along every edge; DACFL's recursion needs symmetric mixing.
+    NGC sends cross-gradients back along every edge.
     """
 
     def build(model, base, s):
@@ -191,17 +210,22 @@ def _undirected(name):
     return build
 
 
+def _dacfl(model, base, s):
+    """DACFL on the graph as it is (directed exp-2, the one-peer schedule: its gain < 1)."""
+    return _built(LATER["dacfl"])(base, model, correction=s.args.dacfl_correction, **s.mixing())
+
+
 def _ngo(model, base, s):
     gossip = _built(LATER["ngo"])(s.graph, power=s.args.ngo_power, step_size=s.args.ngo_step_size)
     return optim.AdaptThenCombine(base, model, communicator=gossip)
 
 
 METHODS: dict[str, Method] = {
-    "atc": Method(_atc, True),
+    "atc": Method(_atc, True, dynamic=True),
     "allreduce": Method(_allreduce, False),
     "d-cliques": Method(_d_cliques, False),
     "clumping": Method(_clumping, False),
-    "skewscout": Method(_skewscout, True),
+    "skewscout": Method(_skewscout, True, dynamic=True),
     "fedhisyn": Method(_fedhisyn, False),
     "cocofl": Method(_cocofl, True),
     # the other skew optimizers; bytes of the first three are not counted (they also send
@@ -209,8 +233,7 @@ METHODS: dict[str, Method] = {
     "clique-avg": Method(_clique_averaging, False, LATER["clique-avg"], counted=False),
     "ngc": Method(_undirected("ngc"), True, LATER["ngc"], closure=True, counted=False),
     "compngc": Method(_undirected("compngc"), True, LATER["compngc"], closure=True, counted=False),
-    # DACFL needs symmetric mixing (its recursion diverges on exp-2's directed weights)
-    "dacfl": Method(_undirected("dacfl"), True, LATER["dacfl"]),
+    "dacfl": Method(_dacfl, True, LATER["dacfl"], dynamic=True),
     "ngo": Method(_ngo, True, LATER["ngo"]),
 }
 
@@ -241,8 +264,11 @@ def _sent_bytes(opt: object, model: nn.Module, size: int, rank: int) -> float:
         every = comm.global_average_every
         total = comm.rounds
         global_rounds = total // every if every else 0
-        graph = getattr(comm, "topology", None) or gossamer.get_topology()
-        sent = (total - global_rounds) * mb * _degree(graph, rank)
+        if getattr(comm, "schedule", None) is not None:  # the one-peer schedule: one per round
+            degree = 0 if comm.step is None else len(comm.step.send_ranks)
+        else:
+            degree = _degree(getattr(comm, "topology", None) or gossamer.get_topology(), rank)
+        sent = (total - global_rounds) * mb * degree
         sent += global_rounds * _allreduce_bytes(mb, size)
         if isinstance(opt, optim.FedHiSyn) and opt.groups is not None and opt.calibration_steps:
             sent += _allreduce_bytes(mb, size)  # the average that ends calibration
@@ -399,6 +425,8 @@ def run_one(name: str, method: Method, s: Setup, train, test) -> dict:
     }
     if isinstance(opt, optim.SkewScout):
         row["periods"] = [p for _, p in opt.controller.history]
+        row["drifts"] = [round(d, 1) for d in opt.controller.drifts]
+        row["losses"] = [round(x, 3) for x, _ in opt.controller.history]
     if isinstance(opt, optim.FedHiSyn):
         row["groups"] = [list(g) for g in opt.groups]
     close = getattr(opt, "close", None)
@@ -429,6 +457,7 @@ def worker(args: argparse.Namespace) -> None:
     args.ranks = size  # what the report says (a plain `python` run is a world of one)
     train, test = _split(args.seed)
     graphs = {"ring": topo.ring(size), "exp2": topo.exponential_two(size)}
+    graphs["onepeer"] = graphs["exp2"]
     rows: list[dict] = []
     say = print if rank == 0 else (lambda *a, **k: None)
     methods = [m for m in args.methods if m in METHODS]
@@ -448,6 +477,9 @@ def worker(args: argparse.Namespace) -> None:
                 say(f"{name:10s} not built yet ({where} is missing): skipped")
                 continue
             for graph_name in args.graphs if method.on_graph else ("own",):
+                if graph_name == "onepeer" and not method.dynamic:
+                    say(f"{name:10s} onepeer: runs on static graphs only, skipped")
+                    continue
                 s = Setup(
                     rank,
                     size,
@@ -457,6 +489,7 @@ def worker(args: argparse.Namespace) -> None:
                     probe,
                     slow=rank % 2 == 1,
                     args=args,
+                    dynamic=graph_name == "onepeer",
                 )
                 try:
                     row = run_one(name, method, s, train, test)
@@ -574,11 +607,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=None, help="default 250, --quick 64")
     parser.add_argument("--eval-every", type=int, default=None, help="default 25, --quick 16")
-    parser.add_argument("--probe-every", type=int, default=10, help="SkewScout's")
+    parser.add_argument("--probe-every", type=int, default=20, help="SkewScout's")
     parser.add_argument(
-        "--skewscout-threshold", type=float, default=0.05, help="accuracy loss that shortens"
+        "--skewscout-threshold", type=float, default=0.1, help="accuracy loss that shortens"
+    )
+    parser.add_argument(
+        "--skewscout-drift-threshold",
+        type=float,
+        default=DRIFT_THRESHOLD,
+        help="consensus distance in gradient steps (squared) that shortens; 0: accuracy only",
     )
     parser.add_argument("--skewscout-max-period", type=int, default=16)
+    parser.add_argument(
+        "--dacfl-correction", type=float, default=0.5, help="DACFL's correction gain (1: paper)"
+    )
     parser.add_argument("--ngo-power", type=float, default=0.5, help="nonlinear gossip's p")
     parser.add_argument(
         "--ngo-step-size", type=float, default=0.5, help="nonlinear gossip's step size"
@@ -601,7 +643,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS), choices=PARTITIONS)
     parser.add_argument(
-        "--graphs", nargs="+", default=None, choices=GRAPHS, help="default both, --quick ring"
+        "--graphs",
+        nargs="+",
+        default=None,
+        choices=GRAPHS,
+        help="default ring exp2, --quick ring; onepeer: exp2's one-peer schedule",
     )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--out", type=Path, default=Path("results/heterogeneity"))
@@ -612,7 +658,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.eval_every is None:
         args.eval_every = 16 if args.quick else 25
     if args.graphs is None:
-        args.graphs = ["ring"] if args.quick else list(GRAPHS)
+        args.graphs = ["ring"] if args.quick else list(DEFAULT_GRAPHS)
     for name in (
         "ranks",
         "steps",

@@ -199,8 +199,7 @@ def test_compressed_ngc_converges_like_ngc():
 def _matchings(n, r):
     """A symmetric time-varying graph: round k pairs r with r XOR 2^(k mod log2 n), weights 1/2.
 
-    DACFL needs symmetric W(k) (its paper's assumption): on the one-peer exponential
-    schedule, whose W(k) has complex eigenvalues, its recursion diverges.
+    The paper's recursion (correction 1) diverges on it; correction 1/2 converges.
     """
     bits = max(1, (n - 1).bit_length())
     for k in itertools.count():
@@ -208,18 +207,30 @@ def _matchings(n, r):
         yield topo.Step.uniform([partner], [partner])
 
 
+def _one_peer(n, rank):
+    return topo.one_peer_exponential(topo.exponential_two(n), rank)
+
+
+# the time-varying graphs: symmetric matchings, the directed one-peer exponential schedule
+_SCHEDULES = {True: _matchings, "matchings": _matchings, "one-peer": _one_peer}
+
+
 def _schedule_for(n, r, dynamic):
     if dynamic:
-        return {"schedule": _matchings(n, r)}
+        return {"schedule": _SCHEDULES[dynamic](n, r)}
     return {"topology": topo.ring(n)}
 
 
-def _run_dacfl(steps, dynamic, period=1):
+def _run_dacfl(steps, dynamic, period=1, correction=0.5):
     n, r = gossamer.size(), gossamer.rank()
     A, b = least_squares_data(r)
     model = _model(r)
     opt = optim.DACFL(
-        _sgd(model), model, num_steps_per_communication=period, **_schedule_for(n, r, dynamic)
+        _sgd(model),
+        model,
+        num_steps_per_communication=period,
+        correction=correction,
+        **_schedule_for(n, r, dynamic),
     )
     out = []
     for _ in range(steps):
@@ -230,15 +241,11 @@ def _run_dacfl(steps, dynamic, period=1):
     return out
 
 
-def _one_peer(n, rank):
-    return topo.one_peer_exponential(topo.exponential_two(n), rank)
-
-
 def _mixing_matrices(n, dynamic, steps, schedule=None):
     """W(k) for every step, assembled from every rank's own schedule (DACFL's matchings)."""
     if not dynamic:
         return [topo.ring(n).weights] * steps
-    schedules = [(schedule or _matchings)(n, r) for r in range(n)]
+    schedules = [(schedule or _SCHEDULES[dynamic])(n, r) for r in range(n)]
     out = []
     for _ in range(steps):
         W = np.zeros((n, n))
@@ -251,14 +258,16 @@ def _mixing_matrices(n, dynamic, steps, schedule=None):
     return out
 
 
-def _simulate_dacfl(n, steps, dynamic, lr=LR, momentum=MOMENTUM, period=1):
+def _simulate_dacfl(n, steps, dynamic, lr=LR, momentum=MOMENTUM, period=1, correction=0.5):
     """DACFL for all ranks; per step (the parameters, the estimates x).
 
     theta_i(r+1) = `period` SGD steps from x_i(r); x_i(r+1) = sum_j W_ji x_j(r) +
-    theta_i(r+1) - theta_i(r); the parameters are reset to x_i(r+1) after each round.
+    theta_i(r+1) - x_i(r) + e_i(r), e_i(r+1) = e_i(r) + correction * (sum_j W_ji x_j(r) -
+    x_i(r)), e(0) = 0 (correction 1: x_i(r+1) = sum_j W_ji x_j(r) + theta_i(r+1) -
+    theta_i(r)); the parameters are reset to x_i(r+1) after each round.
     """
     xs = [_start(i) for i in range(n)]
-    trained = [x.clone() for x in xs]  # theta_i(r)
+    errors = [torch.zeros_like(x) for x in xs]  # e_i(r)
     params = [x.clone() for x in xs]
     v = [None] * n
     rounds = iter(_mixing_matrices(n, dynamic, steps // period + 1))
@@ -269,19 +278,22 @@ def _simulate_dacfl(n, steps, dynamic, lr=LR, momentum=MOMENTUM, period=1):
             v[i] = g if v[i] is None else momentum * v[i] + g
             params[i] = params[i] - lr * v[i]
         if (k + 1) % period == 0:
-            xs = [m + params[i] - trained[i] for i, m in enumerate(_mix(next(rounds), xs))]
-            trained, params = params, [x.clone() for x in xs]
+            mixed = _mix(next(rounds), xs)
+            new = [m + params[i] - xs[i] + errors[i] for i, m in enumerate(mixed)]
+            errors = [e + correction * (m - x) for e, m, x in zip(errors, mixed, xs, strict=True)]
+            xs, params = new, [x.clone() for x in new]
         out.append((list(params), list(xs)))
     return out
 
 
 @pytest.mark.parametrize(
-    ("world_size", "dynamic", "period"), [(2, False, 1), (4, True, 1), (3, False, 2)]
+    ("world_size", "dynamic", "period", "correction"),
+    [(2, False, 1, 1.0), (4, "matchings", 1, 0.5), (4, "one-peer", 1, 0.5), (3, False, 2, 0.5)],
 )
-def test_dacfl_matches_the_one_process_simulation(world_size, dynamic, period):
+def test_dacfl_matches_the_one_process_simulation(world_size, dynamic, period, correction):
     steps = 2 * STEPS if period > 1 else STEPS
-    got = run_distributed(_run_dacfl, world_size, args=(steps, dynamic, period))
-    want = _simulate_dacfl(world_size, steps, dynamic, period=period)
+    got = run_distributed(_run_dacfl, world_size, args=(steps, dynamic, period, correction))
+    want = _simulate_dacfl(world_size, steps, dynamic, period=period, correction=correction)
     for k in range(steps):
         params, xs = want[k]
         for i in range(world_size):
@@ -292,22 +304,29 @@ def test_dacfl_matches_the_one_process_simulation(world_size, dynamic, period):
         torch.testing.assert_close(got[i][-1][0], got[i][-1][1])
 
 
-def test_dacfl_tracks_the_average_of_the_trained_models():
-    """FODAC's invariant: mean_i x_i(r) = mean_i theta_i(r) after every round."""
+@pytest.mark.parametrize("correction", [1.0, 0.5])
+def test_dacfl_tracks_the_average_of_the_trained_models(correction):
+    """FODAC's invariant: mean_i x_i(r) = mean_i theta_i(r) after every round, for any gain."""
     n, period = 4, 3
     xs0 = [_start(i) for i in range(n)]
     trained, params, xs, v = list(xs0), list(xs0), list(xs0), [None] * n
-    for W in _mixing_matrices(n, True, 5):
+    for W in _mixing_matrices(n, "one-peer", 5):
         for _ in range(period):
             for i in range(n):
                 g = _grad(params[i], i)
                 v[i] = g if v[i] is None else MOMENTUM * v[i] + g
                 params[i] = params[i] - LR * v[i]
-        xs = [m + params[i] - trained[i] for i, m in enumerate(_mix(W, xs))]
-        trained, params = params, list(xs)
-        torch.testing.assert_close(sum(xs) / n, sum(trained) / n)
+        mixed = _mix(W, xs)
+        # the paper's form with the reference theta~ = x - e in place of theta (equal at 1)
+        new = [m + params[i] - trained[i] for i, m in enumerate(mixed)]
+        trained = [
+            y - (x - t) - correction * (m - x)
+            for y, x, t, m in zip(new, xs, trained, mixed, strict=True)
+        ]
+        xs, params = new, list(new)
+        torch.testing.assert_close(sum(xs) / n, sum(p for p in params) / n)
     # and the simulation used by the distributed test is this same recursion
-    sim = _simulate_dacfl(n, 5 * period, True, period=period)
+    sim = _simulate_dacfl(n, 5 * period, "one-peer", period=period, correction=correction)
     torch.testing.assert_close(sim[-1][1][0], xs[0])
 
 
@@ -319,25 +338,36 @@ def _simulate_dsgd(n, steps, lr, dynamic):
     return xs
 
 
-def test_dacfl_reaches_the_optimum_of_the_average_loss_where_dsgd_stays_off_it():
-    """Skewed data (each rank its own least squares), a static ring (symmetric W).
+@pytest.mark.parametrize(
+    ("dynamic", "correction"),
+    [(False, 1.0), (False, 0.5), ("matchings", 0.5), ("one-peer", 0.5)],
+)
+def test_dacfl_reaches_the_optimum_of_the_average_loss_where_dsgd_stays_off_it(dynamic, correction):
+    """Skewed data (each rank its own least squares) on a static ring or a time-varying graph.
 
     DSGD's ranks settle O(lr * gradient dissimilarity / spectral gap) away from the minimiser
     of the average loss (closed form here); DACFL's fixed point is consensual with a zero
-    average gradient, i.e. that minimiser. (On the time-varying matchings of `_matchings`
-    this recursion diverges: see docs/skew-optimizers.md.)
+    average gradient, i.e. that minimiser. On the time-varying graphs it needs a correction
+    gain below 1 (next test).
     """
     n, steps, lr = 8, 600, 0.05
     problems = [least_squares_data(i) for i in range(n)]
     hessian = sum(A.T @ A / len(b) for A, b in problems)
     optimum = torch.linalg.solve(hessian, sum(A.T @ b / len(b) for A, b in problems))
-    _, xs = _simulate_dacfl(n, steps, False, lr=lr, momentum=0.0)[-1]
-    dsgd = _simulate_dsgd(n, steps, lr, False)
+    _, xs = _simulate_dacfl(n, steps, dynamic, lr=lr, momentum=0.0, correction=correction)[-1]
+    dsgd = _simulate_dsgd(n, steps, lr, dynamic)
 
     def error(models):
         return max(float((m.reshape(-1) - optimum).norm()) for m in models)
 
     assert error(xs) < 0.01 * error(dsgd), (error(xs), error(dsgd))
+
+
+@pytest.mark.parametrize("dynamic", ["matchings", "one-peer"])
+def test_the_papers_recursion_diverges_on_time_varying_graphs(dynamic):
+    """Correction 1 (the paper): undamped disagreement modes, pumped by the switching."""
+    _, xs = _simulate_dacfl(8, 600, dynamic, lr=0.05, momentum=0.0, correction=1.0)[-1]
+    assert max(float(x.norm()) for x in xs) > 1e3
 
 
 # ---------------------------------------------------------------- nonlinear gossip

@@ -67,7 +67,39 @@ def test_controller_argument_errors(kwargs, error, match):
         PeriodController(**kwargs)
 
 
+def test_the_drift_shrinks_and_holds_the_period():
+    c = PeriodController(threshold=0.1, drift_threshold=10.0, max_period=16, hysteresis=0.5)
+    pairs = [(0.0, 1.0), (0.0, 4.9), (0.0, 7.0), (0.0, 11.0), (0.2, 0.0), (0.0, None)]
+    # both low: grow; drift in its band [5, 10]: hold; drift above 10 or loss above 0.1:
+    # shrink; no drift given: the loss alone decides
+    want = [2, 4, 4, 2, 1, 2]
+    assert [c.update(loss, drift) for loss, drift in pairs] == want
+    np.testing.assert_array_equal(c.drifts, [1.0, 4.9, 7.0, 11.0, 0.0, np.nan])
+    fresh = PeriodController(threshold=0.1, drift_threshold=10.0, max_period=16)
+    fresh.load_state_dict(c.state_dict())
+    np.testing.assert_array_equal(fresh.drifts, c.drifts)
+    # without a drift threshold the drift is recorded and ignored
+    plain = PeriodController(threshold=0.1, max_period=16)
+    assert [plain.update(0.0, 1e6) for _ in range(3)] == [2, 4, 8]
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (0.0, ValueError, "drift_threshold must be > 0 and finite; got 0.0"),
+        (float("inf"), ValueError, "drift_threshold must be > 0 and finite; got inf"),
+        ("5", TypeError, "drift_threshold must be a number; got '5'"),
+    ],
+)
+def test_drift_threshold_errors(value, error, match):
+    with pytest.raises(error, match=match):
+        PeriodController(drift_threshold=value)
+
+
 def test_update_rejects_a_non_number():
+    with pytest.raises(TypeError, match="drift must be a number or None; got nan"):
+        PeriodController().update(0.0, float("nan"))
+
     with pytest.raises(TypeError, match="loss must be a number; got nan"):
         PeriodController().update(float("nan"))
 
@@ -85,7 +117,7 @@ def _score(rank, weight):
     return float(torch.tanh(direction @ weight.flatten().double()))
 
 
-def _train(reduce):
+def _train(reduce, control=CONTROL):
     rank = gossamer.rank()
     A, b = least_squares_data(rank)
     model = linear_model()
@@ -94,7 +126,7 @@ def _train(reduce):
     opt = SkewScout(
         atc,
         lambda m: _score(rank, m.weight.detach()),
-        controller=PeriodController(**CONTROL),
+        controller=PeriodController(**control),
         probe_every=PROBE_EVERY,
         reduce=reduce,
     )
@@ -104,42 +136,80 @@ def _train(reduce):
         opt.step()
     opt.synchronize()
     state = opt.state_dict()["skewscout"]
-    return model.weight.detach().clone(), state["controller"]["history"], opt.probe_bytes
+    controller = state["controller"]
+    return (
+        model.weight.detach().clone(),
+        controller["history"],
+        opt.probe_bytes,
+        controller["drifts"],
+    )
 
 
-def _reference(n, reduce):
+def _reference(n, reduce, control=CONTROL):
+    """The whole run in one process; returns the models, the controller's history and drifts.
+
+    Drift at a probe: the (mean or max over ranks) squared distance to the probe peer over
+    the (mean or max) of each rank's lr^2 |g|^2, averaged over the steps since the last probe.
+    """
     W = topo.ring(n).weights
     data = [least_squares_data(r) for r in range(n)]
     xs = [linear_model().weight.detach().clone() for _ in range(n)]
-    control = PeriodController(**CONTROL)
+    control = PeriodController(**control)
     period, probes = control.period, 0
+    step_sizes = [[] for _ in range(n)]
+    pool = np.mean if reduce == "mean" else np.max
     for k in range(1, STEPS + 1):
         for i, (A, b) in enumerate(data):
             w = xs[i].clone().requires_grad_(True)
             loss = ((A @ w.T).squeeze(1) - b).pow(2).mean() / 2
             (g,) = torch.autograd.grad(loss, w)
+            step_sizes[i].append(LR**2 * float(g.pow(2).sum()))
             xs[i] = xs[i] - LR * g
         if k % period == 0:
             xs = [sum(W[j, i] * xs[j] for j in range(n)) for i in range(n)]
         if k % PROBE_EVERY == 0:
             shift = 1 + probes % (n - 1)
-            losses = [_score(i, xs[i]) - _score(i, xs[(i - shift) % n]) for i in range(n)]
+            peers = [xs[(i - shift) % n] for i in range(n)]
+            losses = [_score(i, xs[i]) - _score(i, peers[i]) for i in range(n)]
+            distances = [float((xs[i] - peers[i]).pow(2).sum()) for i in range(n)]
+            drift = pool(distances) / pool([np.mean(s) for s in step_sizes])
+            step_sizes = [[] for _ in range(n)]
             probes += 1
-            period = control.update(float(np.mean(losses) if reduce == "mean" else max(losses)))
-    return xs, control.history
+            period = control.update(float(pool(losses)), float(drift))
+    return xs, control.history, control.drifts
 
 
 @pytest.mark.parametrize(("world_size", "reduce"), [(4, "mean"), (3, "max")])
 def test_skewscout_matches_a_one_process_simulation(world_size, reduce):
     results = run_distributed(_train, world_size, args=(reduce,))
-    xs, history = _reference(world_size, reduce)
+    xs, history, drifts = _reference(world_size, reduce)
     periods = [p for _, p in history]
     assert len(set(periods)) > 1, f"the scripted run never changed the period: {history}"
-    for rank, (weight, got_history, probe_bytes) in enumerate(results):
+    for rank, (weight, got_history, probe_bytes, got_drifts) in enumerate(results):
         torch.testing.assert_close(weight, xs[rank], rtol=1e-10, atol=1e-12)
         assert [p for _, p in got_history] == periods, f"rank {rank}"
         np.testing.assert_allclose([x for x, _ in got_history], [x for x, _ in history], atol=1e-9)
+        np.testing.assert_allclose(got_drifts, drifts, rtol=1e-9)
         assert probe_bytes == len(history) * weight.numel() * 8
+
+
+# Drifts here run from 0.04 to 20: at 2 the period shrinks twice where the loss alone keeps 8.
+DRIFT = 2.0
+DRIFT_CONTROL = {**CONTROL, "drift_threshold": DRIFT}
+
+
+def test_the_drift_sets_the_period_as_in_the_one_process_simulation():
+    """A drift threshold: the period follows the consensus distance (the loss alone differs)."""
+    results = run_distributed(_train, 4, args=("mean", DRIFT_CONTROL))
+    xs, history, drifts = _reference(4, "mean", DRIFT_CONTROL)
+    _, loss_only, _ = _reference(4, "mean")
+    periods = [p for _, p in history]
+    assert periods != [p for _, p in loss_only], "the drift changed no decision"
+    assert any(d > DRIFT for d in drifts) and any(d < DRIFT / 2 for d in drifts), drifts
+    for rank, (weight, got_history, _, got_drifts) in enumerate(results):
+        torch.testing.assert_close(weight, xs[rank], rtol=1e-10, atol=1e-12)
+        assert [p for _, p in got_history] == periods, f"rank {rank}"
+        np.testing.assert_allclose(got_drifts, drifts, rtol=1e-9)
 
 
 def _sgd(model):

@@ -56,3 +56,19 @@ def test_a_tiny_run_as_a_world_of_one(tmp_path):
         assert r["bytes_per_rank"] == 0 or np.isnan(r["bytes_per_rank"])
     assert (tmp_path / "table.md").read_text().count("| iid |") == len(rows)
     assert (tmp_path / "accuracy.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_time_varying_graph_runs_only_the_methods_that_take_a_schedule(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "benchmarks.heterogeneity", "--worker", "--steps", "4"]
+    command += ["--eval-every", "4", "--delay-ms", "0", "--graphs", "onepeer", "--partitions"]
+    command += ["iid", "--out", str(tmp_path), "--methods", "atc", "cocofl", "dacfl"]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["method"], r["graph"]) for r in rows] == [("atc", "onepeer"), ("dacfl", "onepeer")]
+    assert "cocofl     onepeer: runs on static graphs only, skipped" in done.stdout
+    assert all(r["bytes_per_rank"] == 0 for r in rows)  # one rank: no peer in any round

@@ -29,14 +29,36 @@ gradient enters as a difference, as in gradient tracking and EXTRA. A fixed poin
 consensual (:math:`x = W x`) with :math:`\sum_i g_i(x) = 0`, the optimum of the average
 loss, where plain DSGD settles at an :math:`O(\eta)` distance from it under skew.
 
-Stability needs what the paper assumes, a **symmetric** doubly stochastic :math:`W`. In a
-direction where the loss is flat, a disagreement mode with eigenvalue :math:`\lambda` of
-:math:`W` evolves by :math:`z^2 - (1 + \lambda) z + 1 = 0`: both roots lie on the unit circle
-for real :math:`\lambda \in (-1, 1)` (no growth, but no decay either: only curvature damps
-it), and one root lies outside it for complex :math:`\lambda`. Directed graphs
-(``exponential_two``, the one-peer exponential schedule) therefore diverge; so did, in a
-one-process least-squares run, a schedule that switches between symmetric pairwise
-matchings. A static symmetric graph (a ring, Metropolis-Hastings weights) converges.
+**Stability and the correction gain.** Write :math:`e_i(r) = x_i(r) - \theta_i(r)`. Then
+the update is :math:`x(r+1) = W x(r) + (\theta(r+1) - x(r)) + e(r)` with
+:math:`e(r+1) = e(r) + (W - I)\, x(r)`: a local step plus the sum of all past mixing
+corrections, a consensus controller with an integral gain of 1. That gain sits on the edge
+of stability. In a direction where the loss is flat, a disagreement mode with eigenvalue
+:math:`\lambda` of :math:`W` evolves by :math:`z^2 - (1 + \lambda) z + 1 = 0`: both roots
+lie on the unit circle for real :math:`\lambda \in (-1, 1)` (no decay), one lies outside
+for complex :math:`\lambda` (directed graphs, the one-peer exponential schedule), and a
+switching schedule (even of symmetric matchings, whose :math:`\lambda \in \{0, 1\}` give
+a Jordan block at 1) pumps energy into these undamped modes until they diverge. The
+mixing matrices were right at both ends of every exchange; the recursion itself is unstable.
+
+``correction`` :math:`= \alpha \in (0, 1]` scales the integral term,
+
+.. math::
+    x(r+1) = W(r)\, x(r) + \big(\theta(r+1) - x(r)\big) + e(r),\qquad
+    e(r+1) = e(r) + \alpha\,\big(W(r) - I\big)\, x(r),
+
+so :math:`\alpha = 1` is the paper. For :math:`\alpha < 1` a flat mode follows
+:math:`z^2 - (1+\lambda) z + \alpha + \lambda(1 - \alpha) = 0`, whose roots lie strictly
+inside the unit circle for every real :math:`\lambda \in (-1, 1)`. The fixed points are
+unchanged (:math:`(W - I) x = 0`: consensus; then :math:`e = \eta g` with
+:math:`\sum_i e_i = 0` because column-stochastic mixing keeps :math:`\sum_i e_i` at 0: the
+optimum of the average loss), and so is the tracking: with :math:`\sum_i e_i(r) = 0`,
+:math:`\frac1n\sum_i x_i(r+1) = \frac1n\sum_i \theta_i(r+1)` for every :math:`\alpha`.
+In one process (8 ranks, skewed least squares with a flat direction), alpha = 1/2
+converges on the static ring, the one-peer exponential schedule and switching matchings,
+where alpha = 1 diverges on the last two, and alpha = 3/4 still diverges on the one-peer
+exponential schedule (``tests/algorithms/test_heterogeneity.py`` checks the first two
+claims on its problems).
 """
 
 from __future__ import annotations
@@ -64,11 +86,17 @@ class DACFL(DecentralizedOptimizer):
         optimizer (torch.optim.Optimizer): the local training; its state (momentum) carries
             over from round to round.
         model (nn.Module | Sequence[nn.Module]): the model(s) owning its parameters.
+        correction (float): :math:`\alpha \in (0, 1]`, the gain of the consensus correction
+            (see the module). 1 is the paper's recursion, stable only on static symmetric
+            graphs; the default 1/2 is also stable on directed and time-varying ones.
         **kwargs: the options of :class:`DecentralizedOptimizer`: ``topology=`` (static),
-            ``schedule=`` (a dynamic topology; see the module on stability),
+            ``schedule=`` (a dynamic topology, e.g. ``one_peer_exponential``),
             ``communicator=``, ``num_steps_per_communication``, ``fusion_threshold_bytes``.
-            The communicator mixes :math:`x`; give it symmetric weights (an undirected
-            graph with ``metropolis_hastings_weights``).
+            The communicator mixes :math:`x`; its weights must be column stochastic
+            (doubly stochastic for the average to be the plain mean).
+
+    Raises:
+        ValueError: ``correction`` outside ``(0, 1]``.
 
     Example:
         >>> opt = DACFL(torch.optim.SGD(model.parameters(), lr=0.05), model,
@@ -77,10 +105,18 @@ class DACFL(DecentralizedOptimizer):
         >>> opt.step()        # local step from x_i, FODAC update; the model now holds x_i
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model, **kwargs) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, model, *, correction: float = 0.5, **kwargs
+    ) -> None:
+        if isinstance(correction, bool) or not isinstance(correction, int | float):
+            raise TypeError(f"correction must be a number in (0, 1]; got {correction!r}")
+        if not 0 < correction <= 1:
+            raise ValueError(f"correction must be in (0, 1]; got {correction!r}")
         super().__init__(optimizer, model, **kwargs)
+        self.correction = float(correction)
         self.tracker: list[torch.Tensor] = [b.pack().clone() for b in self.buckets]
-        self.trained: list[torch.Tensor] = [x.clone() for x in self.tracker]  # theta_i(r)
+        # x_i(r) - e_i(r): theta_i(r) itself when correction == 1 (the paper's reference)
+        self.trained: list[torch.Tensor] = [x.clone() for x in self.tracker]
 
     def step(self, closure=None):
         r"""A local step; at a round's end, the FODAC update and :math:`x_i` into the model."""
@@ -94,10 +130,14 @@ class DACFL(DecentralizedOptimizer):
         loss = self.optimizer.step(closure)
         for i, bucket in enumerate(self.buckets):
             theta = bucket.pack().clone()
-            mixed = self.tracker[i] if pending[i] is None else pending[i].wait()
-            self.tracker[i] = mixed + (theta - self.trained[i])
-            self.trained[i] = theta
-            bucket.unpack(self.tracker[i], lambda p: p.data)
+            x = self.tracker[i]
+            mixed = x if pending[i] is None else pending[i].wait()
+            correction = x - self.trained[i]  # e(r)
+            new = mixed + (theta - x) + correction  # = mixed + theta - trained
+            correction += self.correction * (mixed - x)  # e(r+1)
+            self.tracker[i] = new
+            self.trained[i] = new - correction
+            bucket.unpack(new, lambda p: p.data)
         self.steps += 1
         return loss
 

@@ -25,6 +25,24 @@ more often. The period :math:`\tau` (local steps between averaging rounds) follo
     \end{cases}
 
 with threshold :math:`\theta`, factor :math:`f` and hysteresis :math:`\rho \in [0, 1]`.
+
+**Drift.** The accuracy loss measures skew, not the drift that a long period causes on
+IID data: there a peer's model scores like one's own on one's data even when the two have
+drifted apart, and :math:`\ell \approx 0` at every period. So each probe also measures the
+**consensus distance in step units**
+
+.. math::
+
+    D = \frac{\frac1n\sum_i \lVert x_i - x_{p(i)} \rVert^2}
+             {\frac1n\sum_i \overline{\textstyle\sum_g \eta_g^2 \lVert g_{i,g} \rVert^2}},
+
+the squared distance to the probe peer over the mean squared plain gradient step
+(:math:`\eta_g` the learning rate of parameter group :math:`g`, averaged over the steps since
+the last probe): how many gradient steps apart, squared, the models are. On a ring of 8
+under IID data it grows about linearly with the period (about 10 at period 1, 20 at 2,
+30-80 at 4, 90-190 at 8). With a drift threshold :math:`\delta` both signals drive the
+rule: the period shrinks when :math:`\ell > \theta` or :math:`D > \delta` and grows only
+when :math:`\ell < \rho\theta` and :math:`D < \rho\delta`.
 The paper tunes the communication knob of each algorithm (Gaia's significance threshold,
 FedAvg's local steps, DGC's sparsity); here the knob is the period of any
 :class:`~gossamer.optim.DecentralizedOptimizer` (its ``num_steps_per_communication``).
@@ -84,6 +102,9 @@ class PeriodController:
     Args:
         threshold (float): :math:`\theta`, the accuracy loss (a fraction in ``[0, 1]``) above
             which the period shrinks.
+        drift_threshold (float, optional): :math:`\delta > 0`, the consensus distance in
+            step units (see the module) above which the period shrinks; ``None`` (the
+            default) ignores the drift.
         min_period (int): :math:`\tau_{\min} \ge 1`.
         max_period (int): :math:`\tau_{\max} \ge` ``min_period``.
         initial_period (int, optional): the first period; default ``min_period``.
@@ -101,6 +122,7 @@ class PeriodController:
         self,
         *,
         threshold: float = 0.05,
+        drift_threshold: float | None = None,
         min_period: int = 1,
         max_period: int = 32,
         initial_period: int | None = None,
@@ -108,6 +130,13 @@ class PeriodController:
         hysteresis: float = 0.5,
     ) -> None:
         self.threshold = _check_fraction(threshold, "threshold", upper=1.0)
+        if drift_threshold is not None:
+            if isinstance(drift_threshold, bool) or not isinstance(drift_threshold, int | float):
+                raise TypeError(f"drift_threshold must be a number; got {drift_threshold!r}")
+            if not drift_threshold > 0 or math.isinf(drift_threshold):
+                raise ValueError(f"drift_threshold must be > 0 and finite; got {drift_threshold!r}")
+            drift_threshold = float(drift_threshold)
+        self.drift_threshold = drift_threshold
         self.min_period = _check_int(min_period, "min_period", 1)
         self.max_period = _check_int(max_period, "max_period", 1)
         if self.max_period < self.min_period:
@@ -122,23 +151,44 @@ class PeriodController:
         self.hysteresis = _check_fraction(hysteresis, "hysteresis", upper=1.0)
         self.period = start
         self.history: list[tuple[float, int]] = []  # (loss, period after it)
+        self.drifts: list[float] = []  # the drift fed with each loss (nan: none)
 
-    def update(self, loss: float) -> int:
-        """Feed one measured accuracy loss; return the new period."""
+    @staticmethod
+    def _level(value: float, threshold: float, hysteresis: float) -> int:
+        """1 above the threshold, -1 below the hysteresis band, 0 inside it."""
+        if value > threshold:
+            return 1
+        if value < hysteresis * threshold or (hysteresis == 1.0 and value <= threshold):
+            return -1
+        return 0
+
+    def update(self, loss: float, drift: float | None = None) -> int:
+        """Feed one measured accuracy loss (and drift, used with a drift threshold).
+
+        Returns:
+            int: the new period.
+        """
         if isinstance(loss, bool) or not isinstance(loss, int | float) or math.isnan(loss):
             raise TypeError(f"loss must be a number; got {loss!r}")
-        if loss > self.threshold:
-            self.period = max(self.min_period, self.period // self.factor)
-        elif loss < self.hysteresis * self.threshold or (
-            self.hysteresis == 1.0 and loss <= self.threshold
+        if drift is not None and (
+            isinstance(drift, bool) or not isinstance(drift, int | float) or math.isnan(drift)
         ):
+            raise TypeError(f"drift must be a number or None; got {drift!r}")
+        level = self._level(loss, self.threshold, self.hysteresis)
+        if self.drift_threshold is not None and drift is not None:
+            # Either signal above its threshold shrinks; both below their bands grow.
+            level = max(level, self._level(drift, self.drift_threshold, self.hysteresis))
+        if level > 0:
+            self.period = max(self.min_period, self.period // self.factor)
+        elif level < 0:
             self.period = min(self.max_period, self.period * self.factor)
         self.history.append((float(loss), self.period))
+        self.drifts.append(math.nan if drift is None else float(drift))
         return self.period
 
     def state_dict(self) -> dict:
-        """``{"period", "history"}``: what the next decisions depend on, and the record."""
-        return {"period": self.period, "history": list(self.history)}
+        """``{"period", "history", "drifts"}``: what the next decisions depend on, the record."""
+        return {"period": self.period, "history": list(self.history), "drifts": list(self.drifts)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output.
@@ -153,11 +203,12 @@ class PeriodController:
             )
         self.period = period
         self.history = [(float(a), int(b)) for a, b in state.get("history", [])]
+        self.drifts = [float(d) for d in state.get("drifts", [math.nan] * len(self.history))]
 
     def __repr__(self) -> str:
         return (
             f"PeriodController(period={self.period}, threshold={self.threshold}, "
-            f"range=[{self.min_period}, {self.max_period}])"
+            f"drift_threshold={self.drift_threshold}, range=[{self.min_period}, {self.max_period}])"
         )
 
 
@@ -174,10 +225,14 @@ class SkewScout:
     and restored after), the losses :math:`\ell_i` are allreduced (mean or max), and the
     :class:`PeriodController` turns that into the wrapped optimizer's
     ``num_steps_per_communication``. Every rank holds the same period, so rounds still pair.
+    The same probe gives the drift :math:`D` (see the module): :meth:`step` adds up
+    :math:`\sum_g \eta_g^2 \lVert g \rVert^2` of the gradients each step leaves, and the
+    squared distance to the received model is set against its mean; it is reduced with the
+    loss in the same allreduce and used where the controller has a ``drift_threshold``.
 
     A new period takes effect at the next multiple of it (the wrapped optimizer communicates
     when its step count is a multiple of the period). A probe costs one model's bytes per
-    rank plus an allreduce of one float; buffers (BatchNorm statistics) are not exchanged,
+    rank plus an allreduce of three floats; buffers (BatchNorm statistics) are not exchanged,
     so ``evaluate`` sees the peer's parameters with this rank's buffers.
 
     Args:
@@ -237,6 +292,8 @@ class SkewScout:
         self.probes = 0
         self.probe_bytes = 0  # model bytes this rank sent for probes
         self.last_loss: float | None = None
+        self.last_drift: float | None = None
+        self._step_sizes = [0.0, 0]  # sum of sum_g lr_g^2 |g|^2 since the last probe, count
         optimizer.num_steps_per_communication = controller.period
 
     # ------------------------------------------------------------ torch.optim look-alike
@@ -261,11 +318,24 @@ class SkewScout:
     def step(self, closure=None):
         """The wrapped optimizer's step; every ``probe_every`` steps, a probe (collective)."""
         loss = self.inner.step(closure)
+        self._record_step_size()
         if self.inner.steps % self.probe_every == 0:
             self.probe()
         return loss
 
     # ------------------------------------------------------------ the probe
+    def _record_step_size(self) -> None:
+        """Add this step's squared plain gradient step, sum_g lr_g^2 |g|^2 (the drift's unit)."""
+        total = 0.0
+        with torch.no_grad():
+            for group in self.inner.param_groups:
+                grads = [p.grad for p in group["params"] if p.grad is not None]
+                if grads:
+                    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+                    total += float(group.get("lr", 0.0)) ** 2 * float(norm) ** 2
+        self._step_sizes[0] += total
+        self._step_sizes[1] += 1
+
     def _peers(self) -> tuple[int, int]:
         n, me = context.size(), context.rank()
         shift = 1 + self.probes % (n - 1)
@@ -293,15 +363,23 @@ class SkewScout:
             theirs = self._accuracy()
         finally:
             _write(own, params)
-        local = torch.tensor([mine - theirs], dtype=torch.float64)
+        total, count = self._step_sizes
+        self._step_sizes = [0.0, 0]
+        distance = float((own.double() - peer.double()).pow(2).sum())
+        step_size = total / count if count else 0.0
+        local = torch.tensor([mine - theirs, distance, step_size], dtype=torch.float64)
         if context.size() > 1:
             if self.reduce == "mean":
                 local = ops.allreduce(local)
             else:  # max over ranks = the max of each rank's values, gathered
-                local = ops.allgather(local).max().reshape(1)
+                local = ops.allgather(local.reshape(1, 3)).max(dim=0).values
         self.probes += 1
-        self.last_loss = float(local)
-        self.inner.num_steps_per_communication = self.controller.update(self.last_loss)
+        self.last_loss = float(local[0])
+        # The ratio of the (mean or max) distance and step size: one number on every rank.
+        self.last_drift = float(local[1] / local[2]) if local[2] > 0 else 0.0
+        self.inner.num_steps_per_communication = self.controller.update(
+            self.last_loss, self.last_drift
+        )
         return self.last_loss
 
     def _accuracy(self) -> float:
@@ -327,6 +405,8 @@ class SkewScout:
                 "probes": self.probes,
                 "probe_bytes": self.probe_bytes,
                 "last_loss": self.last_loss,
+                "last_drift": self.last_drift,
+                "step_sizes": list(self._step_sizes),
                 "controller": self.controller.state_dict(),
             },
         }
@@ -345,6 +425,9 @@ class SkewScout:
         self.probes = int(ours["probes"])
         self.probe_bytes = int(ours.get("probe_bytes", 0))
         self.last_loss = ours.get("last_loss")
+        self.last_drift = ours.get("last_drift")
+        total, count = ours.get("step_sizes", (0.0, 0))
+        self._step_sizes = [float(total), int(count)]
         self.inner.num_steps_per_communication = self.controller.period
 
     def close(self) -> None:
