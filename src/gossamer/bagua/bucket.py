@@ -311,8 +311,12 @@ class BaguaBucket:
                 compression, average=average, hierarchical=hierarchical, group=pg.torch_group
             )
         else:
-            # Scatter-gather without compression gives the same sum as an allreduce.
-            comm = CentralizedAllreduce(average, hierarchical=hierarchical, group=pg.torch_group)
+            # Scatter-gather without compression gives the same sum as an allreduce. In place:
+            # the packed buffer (or, flattened, the gradients themselves) takes the result,
+            # so nothing is copied back.
+            comm = CentralizedAllreduce(
+                average, hierarchical=hierarchical, group=pg.torch_group, inplace=True
+            )
         op = CentralizedSynchronousOp(comm)
         self._ops.append(op)
         return op
