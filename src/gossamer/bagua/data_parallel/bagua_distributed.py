@@ -120,7 +120,8 @@ class BaguaDistributedDataParallel:
         algorithm (Algorithm): what to communicate; reified for ``process_group``.
         process_group (BaguaProcessGroup): the ranks taking part.
         bagua_module_name (str, optional): the module's name (how tensors find it).
-        gradient_as_bucket_view (bool): Bagua's ``do_flatten``.
+        gradient_as_bucket_view (bool): Bagua's ``do_flatten``: the communicated tensors
+            become slices of their bucket's flat buffer (no packing copy).
         find_unused_parameters (bool): accepted; parameters without a gradient in a step
             are always communicated as zeros at the end of the backward pass.
         extra_checks (Callable[[], None], optional): the caller's own argument checks

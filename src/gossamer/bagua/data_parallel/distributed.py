@@ -177,7 +177,8 @@ def DistributedDataParallel(
         bucket_cap_mb (int): not used: buckets are Bagua's 10 MiB.
         find_unused_parameters (bool): accepted; unused parameters always work.
         check_reduction (bool): must be False.
-        gradient_as_bucket_view (bool): Bagua's ``do_flatten``.
+        gradient_as_bucket_view (bool): Bagua's ``do_flatten``: the communicated tensors
+            become slices of their bucket's flat buffer (no packing copy).
         optimizers (list[torch.optim.Optimizer]): the model's optimizers.
         algorithm (Algorithm): the Bagua algorithm (default: gradient allreduce).
 
