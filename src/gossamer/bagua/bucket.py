@@ -219,9 +219,13 @@ class BaguaBucket:
             return self._fused.pack(lambda t: t.bagua_getter_closure())
         with torch.no_grad():
             for i, (t, view) in enumerate(zip(self._all, self._fused.views, strict=True)):
-                if not self._in_place(i):
-                    effective = t.bagua_getter_closure()
-                    view.zero_() if effective is None else view.copy_(effective)
+                if self._in_place(i):
+                    continue
+                effective = t.bagua_getter_closure()
+                if effective is None:
+                    view.zero_()
+                else:
+                    view.copy_(effective)
         return self._fused.flat
 
     def unpack(self, flat: torch.Tensor) -> None:
