@@ -14,6 +14,7 @@ from torch import nn
 
 import gossamer.bagua as bagua
 from gossamer.bagua.algorithms import gradient_allreduce
+from gossamer.bagua.data_parallel.distributed import DistributedDataParallel_V1_9_0
 from gossamer.errors import PeerArgumentError
 from gossamer.testing import run_distributed
 
@@ -37,6 +38,8 @@ def _call(name, r, n):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         algorithm = "decentralized" if is_bad else gradient_allreduce.GradientAllReduceAlgorithm()
         return lambda: model.with_bagua([opt], algorithm)
+    if name.startswith("DistributedDataParallel"):
+        return _ddp_call(name, is_bad)
     if name == "allreduce recv":
         recv = torch.zeros(3 if is_bad else 2 * n)
         return lambda: bagua.allreduce(x, recv)
@@ -74,9 +77,29 @@ def _call(name, r, n):
     raise AssertionError(name)
 
 
+def _ddp_call(name, is_bad):
+    """The DDP wrapper's own checks: ``DistributedDataParallel`` and its module class."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    device_ids = None
+    if is_bad and name == "DistributedDataParallel no trainable parameter":
+        model.requires_grad_(False)
+    if is_bad and name == "DistributedDataParallel device_ids":
+        device_ids = [0, 1]  # the factory falls back to torch DDP; the class refuses
+    if is_bad and name == "DistributedDataParallel device types":
+        model[1].to("meta")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    algorithm = gradient_allreduce.GradientAllReduceAlgorithm()
+    return lambda: DistributedDataParallel_V1_9_0(
+        model, device_ids=device_ids, optimizers=[opt], algorithm=algorithm
+    )
+
+
 CASES = [
     "with_bagua optimizers",
     "with_bagua algorithm",
+    "DistributedDataParallel no trainable parameter",
+    "DistributedDataParallel device_ids",
+    "DistributedDataParallel device types",
     "allreduce recv",
     "allreduce op",
     "reduce recv",
@@ -133,6 +156,10 @@ def test_a_bad_facade_argument_on_one_rank_raises_on_every_rank(world_size):
         "with_bagua: barrier: rank 1 rejected its arguments: TypeError: optimizers must be a "
         "list of torch.optim.Optimizer; got ['sgd']"
     )
-    assert got[BAD][2][1][1] == (
+    assert got[0][4][1][1] == (
+        "DistributedDataParallel: barrier: rank 1 rejected its arguments: ValueError: "
+        "the module's parameters must be on one type of device; got ['cpu', 'meta']"
+    )
+    assert got[BAD][5][1][1] == (
         f"ValueError: allreduce: recv_tensor must have {2 * world_size} elements; got 3"
     )

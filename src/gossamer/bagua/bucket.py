@@ -1,12 +1,20 @@
 """Bagua buckets: tensors that travel together, and the operations run on them.
 
-A :class:`BaguaBucket` packs the *effective* tensors of its Bagua tensors (gradients,
-weights, momenta, see :mod:`gossamer.bagua.tensor`) into one flat buffer
-(:class:`gossamer.fusion.Bucket`) and holds a list of operations. When every tensor of the
+A :class:`BaguaBucket` holds the *effective* tensors of its Bagua tensors (gradients,
+weights, momenta, see :mod:`gossamer.bagua.tensor`) in one flat buffer
+(:class:`gossamer.fusion.Bucket`) and a list of operations. When every tensor of the
 bucket has been marked ready, the operations run in the order they were appended, as one
-job of gossamer's communication thread, each through a gossamer communicator. Results are
-copied back into the effective tensors; Bagua instead re-points their storage into the
-bucket (``flatten=True``), which gives the same values.
+job of gossamer's communication thread, each through a gossamer communicator.
+
+With ``flatten=True`` (Bagua's ``do_flatten``, the default) the effective tensors are
+re-pointed into the flat buffer, as Bagua does: they *are* slices of it, so packing copies
+nothing and a result is written back with one contiguous copy. A parameter keeps its
+identity (``set_`` changes its storage, not the object), so optimizers and their state
+still find it. A tensor that was replaced since (a gradient that ``zero_grad()`` set to
+None and the backward pass allocated anew) is copied into its slice and re-pointed when
+it is marked ready. With ``flatten=False`` the effective tensors keep their own storage:
+they are copied into the flat buffer before each operation list and results copied back.
+Both give the same values.
 """
 
 from __future__ import annotations
@@ -131,8 +139,9 @@ class BaguaBucket:
     Args:
         tensors (list[torch.Tensor]): Bagua tensors (see ``ensure_bagua_tensor``).
         name (str): the bucket's unique name.
-        flatten (bool): Bagua re-points the tensors into the bucket's storage; gossamer
-            always packs into a reused flat buffer, so the flag changes nothing.
+        flatten (bool): re-point the effective tensors into the bucket's flat buffer (as
+            Bagua does), so that no per-step packing copy is needed; False packs them
+            into the buffer and copies results back each time. Values are the same.
         alignment (int): pad the bucket with zeros to a multiple of this many elements.
 
     Raises:
@@ -166,19 +175,75 @@ class BaguaBucket:
             [self.padding_tensor] if self.padding_tensor is not None else []
         )
         self._fused = Bucket(self._all)
+        self._index = {id(t): i for i, t in enumerate(self._all)}
         for t in self._all:
             t._bagua_bucket = self
+        if flatten:
+            self._fused.flat.zero_()  # a missing gradient is a zero one
+            for t in self._all:
+                self._repoint(t)
         self._ops: list[_Op] = []
         self._ready: set[int] = set()
 
     # ------------------------------------------------------------------ data
+    def _in_place(self, index: int) -> bool:
+        """Whether tensor ``index``'s effective tensor is its slice of the flat buffer."""
+        effective = self._all[index].bagua_getter_closure()
+        view = self._fused.views[index]
+        return (
+            effective is not None
+            and effective.data_ptr() == view.data_ptr()
+            and effective.shape == view.shape
+            and effective.is_contiguous()
+        )
+
+    def _repoint(self, tensor: torch.Tensor) -> None:
+        """Copy ``tensor``'s effective tensor into its slice, then make it that slice."""
+        index = self._index[id(tensor)]
+        effective = tensor.bagua_getter_closure()
+        if effective is None and isinstance(tensor, torch.nn.Parameter):
+            effective = _writable(tensor)  # an unused parameter's zero gradient
+        if effective is None or self._in_place(index):
+            return
+        view = self._fused.views[index]
+        with torch.no_grad():
+            view.copy_(effective)
+        tensor.bagua_set_storage(self._fused.flat.untyped_storage(), view.storage_offset())
+
     def pack(self) -> torch.Tensor:
-        """The effective tensors (and padding) in the bucket's flat buffer (reused)."""
-        return self._fused.pack(lambda t: t.bagua_getter_closure())
+        """The effective tensors (and padding) in the bucket's flat buffer (reused).
+
+        With ``flatten`` only the tensors not already in it are copied.
+        """
+        if not self.flatten:
+            return self._fused.pack(lambda t: t.bagua_getter_closure())
+        with torch.no_grad():
+            for i, (t, view) in enumerate(zip(self._all, self._fused.views, strict=True)):
+                if self._in_place(i):
+                    continue
+                effective = t.bagua_getter_closure()
+                if effective is None:
+                    view.zero_()
+                else:
+                    view.copy_(effective)
+        return self._fused.flat
 
     def unpack(self, flat: torch.Tensor) -> None:
-        """Copy ``flat`` (laid out like the bucket) into the effective tensors."""
-        self._fused.unpack(flat, _writable)
+        """Copy ``flat`` (laid out like the bucket) into the effective tensors.
+
+        With ``flatten``: one copy into the flat buffer (nothing when ``flat`` is it), then
+        a copy for each effective tensor outside it.
+        """
+        if not self.flatten:
+            self._fused.unpack(flat, _writable)
+            return
+        own = self._fused.flat
+        with torch.no_grad():
+            if flat.data_ptr() != own.data_ptr():
+                own.copy_(flat.reshape(-1))
+            for i, (t, view) in enumerate(zip(self._all, self._fused.views, strict=True)):
+                if not self._in_place(i):
+                    _writable(t).copy_(view)
 
     def add_to_effective(self, flat: torch.Tensor) -> None:
         """Add the slices of ``flat`` (laid out like the bucket) to the effective tensors."""
@@ -195,8 +260,12 @@ class BaguaBucket:
         return self.pack().clone()
 
     def check_flatten(self) -> bool:
-        """Whether the effective tensors are contiguous in memory (they are packed here)."""
-        return True
+        """Whether the effective tensors are consecutive slices of one flat buffer.
+
+        Always True with ``flatten=True`` after the tensors are marked ready; with
+        ``flatten=False`` they keep their own storage (and are packed before each use).
+        """
+        return all(self._in_place(i) for i in range(len(self._all)))
 
     def bytes(self) -> int:
         """Bytes of the effective tensors."""
@@ -246,8 +315,12 @@ class BaguaBucket:
                 compression, average=average, hierarchical=hierarchical, group=pg.torch_group
             )
         else:
-            # Scatter-gather without compression gives the same sum as an allreduce.
-            comm = CentralizedAllreduce(average, hierarchical=hierarchical, group=pg.torch_group)
+            # Scatter-gather without compression gives the same sum as an allreduce. In place:
+            # the packed buffer (or, flattened, the gradients themselves) takes the result,
+            # so nothing is copied back.
+            comm = CentralizedAllreduce(
+                average, hierarchical=hierarchical, group=pg.torch_group, inplace=True
+            )
         op = CentralizedSynchronousOp(comm)
         self._ops.append(op)
         return op
@@ -319,7 +392,13 @@ class BaguaBucket:
 
     # ------------------------------------------------------------------ running
     def mark_ready(self, tensor: torch.Tensor) -> bool:
-        """Record that ``tensor`` is ready; True once all the bucket's tensors are."""
+        """Record that ``tensor`` is ready; True once all the bucket's tensors are.
+
+        With ``flatten``, an effective tensor that is no longer in the flat buffer is put
+        back there (copied, then re-pointed), so later steps copy nothing.
+        """
+        if self.flatten:
+            self._repoint(tensor)
         self._ready.add(id(tensor))
         return self.all_ready()
 

@@ -181,19 +181,33 @@ class CentralizedAllreduce(GroupCommunicator):
     Args:
         average (bool): divide by the number of ranks.
         hierarchical (bool), group (ProcessGroup, optional): see :class:`GroupCommunicator`.
+        inplace (bool): keyword only; the flat (non-hierarchical) allreduce writes its
+            result into the tensor it is given (a Bagua bucket's flat buffer) instead of a
+            new one. Hierarchical rounds are always out of place.
     """
 
     name = "bagua_centralized"
 
-    def __init__(self, average: bool = True, *, hierarchical: bool = False, group=None) -> None:
+    def __init__(
+        self,
+        average: bool = True,
+        *,
+        hierarchical: bool = False,
+        group=None,
+        inplace: bool = False,
+    ) -> None:
         super().__init__(hierarchical=hierarchical, group=group)
         if not isinstance(average, bool):
             raise TypeError(f"average must be a bool; got {average!r}")
+        if not isinstance(inplace, bool):
+            raise TypeError(f"inplace must be a bool; got {inplace!r}")
         self.average = average
+        self.inplace = inplace
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         if not self.hierarchical:
-            return ops.allreduce(flat, average=self.average, group=self.group, async_op=True)
+            allreduce = ops.allreduce_ if self.inplace else ops.allreduce
+            return allreduce(flat, average=self.average, group=self.group, async_op=True)
         if self.average:
             return self._global_average(flat)
         # Every machine's sum, added up, arrives divided by the machine size: undo it.

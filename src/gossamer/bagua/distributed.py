@@ -43,7 +43,9 @@ class BaguaModule:
             optimizers (list[torch.optim.Optimizer]): the optimizer(s) of the module.
             algorithm (Algorithm): e.g. ``GradientAllReduceAlgorithm()``.
             process_group (BaguaProcessGroup, optional): default: all ranks.
-            do_flatten (bool): Bagua's bucket flattening (results do not depend on it here).
+            do_flatten (bool): Bagua's bucket flattening: the parameters (or gradients) become
+                slices of their bucket's flat buffer, so no packing copy is needed; False
+                packs and copies back every step. Results do not depend on it.
 
         Returns:
             The module itself, with ``bagua_algorithm`` and the other ``bagua_*`` members.

@@ -85,7 +85,7 @@ def _check_optimizers(optimizers: object) -> list[torch.optim.Optimizer]:
     return list(optimizers)
 
 
-def _agree(process_group: object, checks: Callable[[], None]) -> None:
+def _agree(process_group: object, checks: Callable[[], None], caller: str = "with_bagua") -> None:
     """Run the wrap's argument ``checks``, then meet the group's ranks (a barrier).
 
     A rank whose checks raise ``TypeError``/``ValueError`` takes part in that barrier with
@@ -94,7 +94,7 @@ def _agree(process_group: object, checks: Callable[[], None]) -> None:
     A bad ``process_group`` itself cannot be met on: that rank raises alone.
 
     Raises:
-        PeerArgumentError: on the other ranks, prefixed ``with_bagua:``.
+        PeerArgumentError: on the other ranks, prefixed ``caller:``.
     """
     if not isinstance(process_group, BaguaProcessGroup):
         checks()
@@ -108,7 +108,7 @@ def _agree(process_group: object, checks: Callable[[], None]) -> None:
     try:
         ops.barrier(group=comm.group)
     except PeerArgumentError as err:
-        raise PeerArgumentError(f"with_bagua: {err}", err.ranks) from err
+        raise PeerArgumentError(f"{caller}: {err}", err.ranks) from err
 
 
 class BaguaDistributedDataParallel:
@@ -120,9 +120,14 @@ class BaguaDistributedDataParallel:
         algorithm (Algorithm): what to communicate; reified for ``process_group``.
         process_group (BaguaProcessGroup): the ranks taking part.
         bagua_module_name (str, optional): the module's name (how tensors find it).
-        gradient_as_bucket_view (bool): Bagua's ``do_flatten``.
+        gradient_as_bucket_view (bool): Bagua's ``do_flatten``: the communicated tensors
+            become slices of their bucket's flat buffer (no packing copy).
         find_unused_parameters (bool): accepted; parameters without a gradient in a step
             are always communicated as zeros at the end of the backward pass.
+        extra_checks (Callable[[], None], optional): the caller's own argument checks
+            (raising ``TypeError``/``ValueError``), run with the engine's before the one
+            meeting of the group's ranks, so that peers of a rejecting rank fail fast too.
+        caller (str): the name that prefixes the peers' ``PeerArgumentError``.
     """
 
     def __init__(
@@ -134,6 +139,9 @@ class BaguaDistributedDataParallel:
         bagua_module_name: str | None = None,
         gradient_as_bucket_view: bool = True,
         find_unused_parameters: bool = False,
+        *,
+        extra_checks: Callable[[], None] | None = None,
+        caller: str = "with_bagua",
     ) -> None:
         from gossamer.bagua.algorithms.base import Algorithm
 
@@ -145,9 +153,11 @@ class BaguaDistributedDataParallel:
                     f"algorithm must be a gossamer.bagua.algorithms.Algorithm; got {algorithm!r}"
                 )
             _check_optimizers(optimizers)
+            if extra_checks is not None:
+                extra_checks()
 
         # Every rank's arguments are checked before the first collective of the wrap.
-        _agree(process_group, checks)
+        _agree(process_group, checks, caller)
         self.module = module
         self.bagua_module_name = bagua_module_name or f"{type(module).__name__}_{id(module)}"
         self.bagua_optimizers = _check_optimizers(optimizers)

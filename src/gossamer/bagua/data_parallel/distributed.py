@@ -42,6 +42,22 @@ def to_bagua_process_group(process_group: Any = None) -> BaguaProcessGroup:
     raise TypeError(f"process_group must be a torch or Bagua process group; got {process_group!r}")
 
 
+def _check_module(module: nn.Module, device_ids: list[int | torch.device] | None) -> None:
+    """Raise ValueError unless ``module`` and ``device_ids`` can be wrapped."""
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            "DistributedDataParallel is not needed when a module has no parameter that "
+            "requires a gradient"
+        )
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(
+            f"device_ids can only be None or contain a single element; got {device_ids}"
+        )
+    devices = sorted({p.device.type for p in module.parameters()})
+    if len(devices) != 1:
+        raise ValueError(f"the module's parameters must be on one type of device; got {devices}")
+
+
 class DistributedDataParallel_V1_9_0(nn.Module):
     """A module that trains ``module`` data-parallel with a Bagua algorithm.
 
@@ -64,36 +80,31 @@ class DistributedDataParallel_V1_9_0(nn.Module):
         algorithm: Algorithm | None = None,
     ) -> None:
         super().__init__()
-        if not any(p.requires_grad for p in module.parameters()):
-            raise ValueError(
-                "DistributedDataParallel is not needed when a module has no parameter that "
-                "requires a gradient"
-            )
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError(
-                f"device_ids can only be None or contain a single element; got {device_ids}"
-            )
-        devices = {p.device.type for p in module.parameters()}
-        if len(devices) != 1:
-            raise ValueError(
-                f"the module's parameters must be on one type of device; got {devices}"
-            )
-        self.module = module
-        self.device = next(module.parameters()).device
-        self.broadcast_buffers = broadcast_buffers
-        self.find_unused_parameters = find_unused_parameters
-        if not hasattr(module, "_bagua_module_name"):
-            module._bagua_module_name = f"{type(self).__name__}_{id(module)}"
+
+        def checks() -> None:
+            _check_module(module, device_ids)
+
+        group = to_bagua_process_group(process_group)
+        name = getattr(module, "_bagua_module_name", None) or f"{type(self).__name__}_{id(module)}"
         # Kept out of the module tree (a plain attribute), as the engine is not a module.
+        # The checks above run inside the engine's one meeting of the ranks, so a rank that
+        # rejects its module or device_ids makes its peers raise PeerArgumentError at once.
         self.__dict__["inner"] = BaguaDistributedDataParallel(
             module,
             list(optimizers or []),
             algorithm if algorithm is not None else GradientAllReduceAlgorithm(),
-            process_group=to_bagua_process_group(process_group),
-            bagua_module_name=module._bagua_module_name,
+            process_group=group,
+            bagua_module_name=name,
             gradient_as_bucket_view=gradient_as_bucket_view,
             find_unused_parameters=find_unused_parameters,
+            extra_checks=checks,
+            caller="DistributedDataParallel",
         )
+        module._bagua_module_name = name
+        self.module = module
+        self.device = next(module.parameters()).device
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
 
     @property
     def inner(self) -> BaguaDistributedDataParallel:
@@ -166,7 +177,8 @@ def DistributedDataParallel(
         bucket_cap_mb (int): not used: buckets are Bagua's 10 MiB.
         find_unused_parameters (bool): accepted; unused parameters always work.
         check_reduction (bool): must be False.
-        gradient_as_bucket_view (bool): Bagua's ``do_flatten``.
+        gradient_as_bucket_view (bool): Bagua's ``do_flatten``: the communicated tensors
+            become slices of their bucket's flat buffer (no packing copy).
         optimizers (list[torch.optim.Optimizer]): the model's optimizers.
         algorithm (Algorithm): the Bagua algorithm (default: gradient allreduce).
 
