@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import gossamer
-from gossamer import optim
+from gossamer import ops, optim
 from gossamer.testing import run_distributed
 from problems import (
     least_squares_data,
@@ -161,6 +161,38 @@ def test_asynchronous_optimizers_converge_with_a_slow_rank(kind):
     # Asynchrony with one slow rank leaves a small bias (see PushSum's docstring).
     for weight in got:
         assert (weight - optimum).norm() / optimum.norm() < 5e-2
+
+
+def _races_ahead(rounds):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = optim.PushSum(torch.optim.SGD(model.parameters(), lr=0.0), model)
+    z = [p.detach().clone() for p in model.parameters()]
+    if gossamer.rank() == 0:  # the other rank does not step at all
+        for _ in range(rounds):
+            opt.zero_grad()
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+        opt.synchronize()
+    gossamer.barrier()
+    window = opt.communicator.windows[0]
+    weight = window.p
+    mass = weight + sum(window.p_buffers().values())
+    total = ops.allreduce(torch.tensor([mass], dtype=torch.float64), average=False)
+    same = all(torch.equal(a, b) for a, b in zip(z, model.parameters(), strict=True))
+    gossamer.barrier()
+    opt.free()
+    return weight, float(total[0]), same
+
+
+def test_a_rank_racing_ahead_keeps_a_push_sum_weight_and_the_mass_is_conserved():
+    # Rank 0 pushes half its mass per round and gets nothing back: without the floor its
+    # weight would be 2**-60 after 60 rounds; the rank keeps its mass below min_weight.
+    (p0, total, same0), (p1, _, same1) = run_distributed(_races_ahead, 2, args=(60,))
+    floor = optim.PushSum.gossip.min_weight
+    assert floor / 2 <= p0 < floor and p1 == 1.0
+    assert total == pytest.approx(2.0, abs=1e-12)
+    assert same0 and same1  # lr 0, the same start: the estimate z = x / p never moves
 
 
 def _state_round_trip():

@@ -241,24 +241,37 @@ class PushSumGossip(_WindowGossip):
     effective step :math:`\eta / p_i` diverges when a fast rank's :math:`p_i` shrinks) keeps
     every rank's step size as given. When ranks run at different speeds their :math:`p_i`
     drift apart and the consensus leans toward the ranks with larger :math:`p_i`.
+
+    A rank whose :math:`p_i` is below :attr:`min_weight` keeps its whole mass in that round
+    (it pushes nothing, a column of the identity, which is still column stochastic), until
+    arrivals refill it. Without that floor a rank several times faster than its
+    in-neighbours gives away :math:`k/(k+1)` of its mass per round and gets little back:
+    :math:`p_i` fell to 1e-29 within a few hundred steps (``benchmarks/async_speed.py``,
+    one rank 6x faster than its in-neighbours), and :math:`x_i = z_i p_i` in float32 then
+    underflows and the model is lost.
     """
 
     name = "push_sum"
     push_sum = True
+    #: below this push-sum weight a rank keeps its mass for the round (it starts at 1)
+    min_weight = 1e-6
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         """Push the shares (returns at once); ``wait()`` collects and returns :math:`z`."""
         window = self.windows[index]
         x = window.tensor
         torch.mul(flat, window.p, out=x)
-        share = 1.0 / (len(self.destinations(window)) + 1)
-        pushed = window.accumulate(
-            self_weight=share, dst_weights=self.destinations(window, share), async_op=True
-        )
+        pushed = None
+        if window.p >= self.min_weight:
+            share = 1.0 / (len(self.destinations(window)) + 1)
+            pushed = window.accumulate(
+                self_weight=share, dst_weights=self.destinations(window, share), async_op=True
+            )
 
         def collect() -> torch.Tensor:
             # x and p are scaled by the own share once every push has landed.
-            pushed.wait()
+            if pushed is not None:
+                pushed.wait()
             window.update_then_collect(require_mutex=True)
             return x / window.p
 

@@ -519,8 +519,6 @@ class Window:
             check_flag(value, flag, "Window.update")
         if (self_weight is None) != (src_weights is None):
             raise ValueError("Window.update: self_weight and src_weights must be given together")
-        for flag, value in (("reset", reset), ("clone", clone), ("require_mutex", require_mutex)):
-            check_flag(value, flag, "Window.update")
         if src_weights is None:
             sw, weights = self._topology.recv_weights(me)
         else:
