@@ -145,6 +145,54 @@ def test_sparse_allreduce_averages_the_decoded_payloads():
         torch.testing.assert_close(g, want)
 
 
+def _rounds_of_distinct_inputs(spec, average, rounds):
+    comm = communicators.CompressedAllreduce(spec, average=average)
+    r = gossamer.rank()
+    out = []
+    for t in range(rounds):
+        comm.next_round()
+        out.append(comm.start(_start(r + 10 * t, 1001), 0).wait())
+    return torch.stack(out)
+
+
+def _simulate_error_reset(spec, n, rounds, average):
+    """Error reset, all ranks in one process: G_i = u_i + mean_j p_j - p_i, p_i = C(u_i + e_i)."""
+    cs = [get_compressor(spec) for _ in range(n)]  # same seed: the same positions every round
+    residuals = [torch.zeros(1001, dtype=torch.float64) for _ in range(n)]
+    out = []
+    for t in range(rounds):
+        us = [_start(r + 10 * t, 1001) for r in range(n)]
+        ps = []
+        for i in range(n):
+            corrected = us[i] + residuals[i]
+            ps.append(cs[i].decompress(cs[i].compress(corrected)))
+            residuals[i] = corrected - ps[i]
+        scale = 1 if average else n
+        shared = sum(ps) / n if average else sum(ps)
+        out.append(torch.stack([scale * (us[i] - ps[i]) + shared for i in range(n)]))
+    return torch.stack(out, 1)  # [rank, round, element]
+
+
+@pytest.mark.parametrize(("world_size", "average"), [(2, True), (3, True), (3, False)])
+def test_randomk_error_reset_matches_the_one_process_simulation(world_size, average):
+    spec, rounds = "randomk:0.1:reset=true", 4
+    got = torch.stack(
+        run_distributed(_rounds_of_distinct_inputs, world_size, args=(spec, average, rounds))
+    )
+    want = _simulate_error_reset(spec, world_size, rounds, average)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # Mass is preserved: the ranks' results add up to the uncompressed ones, every round.
+    inputs = torch.stack(
+        [torch.stack([_start(r + 10 * t, 1001) for t in range(rounds)]) for r in range(world_size)]
+    )
+    exact = inputs.sum(0) if average else world_size * inputs.sum(0)
+    torch.testing.assert_close(got.sum(0), exact, rtol=1e-12, atol=1e-12)
+    # ... while the ranks differ (their residuals), unlike plain error feedback.
+    assert (got[0] - got[1]).abs().max() > 0.1
+    with pytest.raises(ValueError, match="error_feedback=False"):
+        communicators.CompressedAllreduce(spec, error_feedback=False)
+
+
 def _topk_least_squares(steps):
     model = linear_model()
     opt = optim.GradientAllreduce(
