@@ -6,13 +6,15 @@ a reference that runs the same algorithm for every rank in the test process, wit
 library's compressors (which are tested on their own in tests/unit).
 """
 
+import math
+
 import pytest
 import torch
 
 import gossamer
 from gossamer import communicators, optim
 from gossamer import topology as topo
-from gossamer.compression import Payload, get_compressor
+from gossamer.compression import Payload, compression_quality, get_compressor
 from gossamer.testing import run_distributed
 from problems import least_squares_data, least_squares_optimum, linear_model
 
@@ -39,10 +41,10 @@ def _choco(spec, dynamic, rounds):
     return _run_rounds(comm, _start(r), rounds)
 
 
-def _simulate_static_choco(spec, n, rounds):
+def _simulate_static_choco(spec, n, rounds, gamma=None):
     """CHOCO on exp-2 for all ranks in one process: x_i += gamma sum_j W[j,i](h_j - h_i)."""
     c = get_compressor(spec)
-    gamma = communicators.default_gamma(c)
+    gamma = communicators.default_gamma(c) if gamma is None else gamma
     W = torch.tensor(topo.exponential_two(n).weights)
     xs = [_start(r) for r in range(n)]
     hat = [torch.zeros_like(x) for x in xs]
@@ -92,6 +94,51 @@ def test_choco_reaches_consensus_and_keeps_the_average(spec, dynamic):
     spread = (got - got.mean(0)).norm()
     assert spread < 1e-6 * spread0, f"consensus error {spread / spread0:.2e} of its start"
     torch.testing.assert_close(got.mean(0), start.mean(0), rtol=1e-6, atol=1e-9)
+
+
+def _choco_auto(spec, rounds):
+    comm = communicators.ChocoGossip(spec, gamma="auto", topology=topo.exponential_two(4))
+    x = _run_rounds(comm, _start(gossamer.rank()), rounds)
+    return x, comm.bucket_gamma(0)
+
+
+def _spread(xs):
+    xs = torch.stack(list(xs))
+    return (xs - xs.mean(0)).norm().item()
+
+
+def test_choco_auto_gamma_is_koloskovas_step_and_converges_where_a_fixed_one_diverges():
+    spec, n, rounds = "topk:0.01", 4, 300
+    # exp-2 on 4 ranks: W = circulant(1/3, 1/3, 1/3, 0), eigenvalues 1, 1/3, +-i/3, so
+    # rho = 1 - 1/3 and beta = max |1 - lambda| = |1 - i/3| = sqrt(10)/3.
+    rho, beta = 2 / 3, math.sqrt(10) / 3
+    delta = compression_quality(get_compressor(spec), 1000)
+    gamma = rho**2 * delta / (16 * rho + rho**2 + 4 * beta**2 + 2 * rho * beta**2 - 8 * rho * delta)
+    assert communicators.choco_gamma(delta, topo.exponential_two(n)) == pytest.approx(gamma)
+    results = run_distributed(_choco_auto, n, args=(spec, rounds))
+    assert all(g == pytest.approx(gamma, rel=1e-12) for _, g in results)  # same on every rank
+    got = [x for x, _ in results]
+    want = _simulate_static_choco(spec, n, rounds, gamma=gamma)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
+    start = [_start(r) for r in range(n)]
+    torch.testing.assert_close(sum(got) / n, sum(start) / n, rtol=1e-6, atol=1e-9)
+    assert _spread(got) < 0.8 * _spread(start)
+    # A fixed step that suits topk:0.1 (0.2, measured in default_gamma) diverges here.
+    assert _spread(_simulate_static_choco(spec, n, rounds, gamma=0.2)) > _spread(start)
+
+
+def test_choco_gamma_checks_its_arguments():
+    with pytest.raises(ValueError, match="delta must be in"):
+        communicators.choco_gamma(-0.5, topo.exponential_two(4))
+    with pytest.raises(TypeError, match="topology must be a Topology"):
+        communicators.choco_gamma(0.5, [[1.0]])
+    with pytest.raises(ValueError, match="no spectral gap"):
+        communicators.choco_gamma(0.5, topo.Topology([[1.0, 0.0], [0.0, 1.0]]))
+    with pytest.raises(ValueError, match="needs a static topology"):
+        communicators.ChocoGossip("uint8", gamma="auto", schedule=iter([]))
+    with pytest.raises(ValueError, match="or 'auto'"):
+        communicators.ChocoGossip("uint8", gamma="fast")
 
 
 def _compressed_allreduce(spec, feedback):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from gossamer.compression import (
     RandomK,
     Sign,
     TopK,
+    compression_quality,
     get_compressor,
 )
 
@@ -357,3 +359,19 @@ def test_casts_round_to_nearest(compressor, dtype):
     x = _randn(1000, 17, torch.float64)
     y = compressor.decompress(compressor.compress(x))
     assert torch.equal(y, x.to(dtype).to(torch.float64))
+
+
+def test_compression_quality_matches_closed_forms():
+    z = statistics.NormalDist().inv_cdf(1 - 0.005)  # top 1 % of |N(0, 1)|: |x| > z
+    top_share = 2 * z * statistics.NormalDist().pdf(z) + 0.01  # E[x^2; |x| > z]
+    assert compression_quality(TopK(0.01), 100_000) == pytest.approx(top_share, abs=0.003)
+    assert compression_quality(Sign(), 100_000) == pytest.approx(2 / math.pi, abs=0.005)
+    assert compression_quality(RandomK(0.1), 100_000) == pytest.approx(0.1, abs=0.005)
+    assert compression_quality(get_compressor("none"), 10) == 1.0
+    stream = RandomK(0.1, seed=3)
+    compression_quality(stream, 1000)
+    assert stream.step == 0  # a copy drew the probes' positions
+    with pytest.raises(ValueError, match="numel must be >= 1; got 0"):
+        compression_quality(TopK(0.1), 0)
+    with pytest.raises(TypeError, match="compressor must be a Compressor"):
+        compression_quality("topk:0.1", 10)
