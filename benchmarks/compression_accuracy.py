@@ -14,7 +14,8 @@ on the same shards and batches, with Adam (``--optimizer sgd``: SGD with momentu
 acts on the momentum-corrected update) and a cosine learning-rate decay, for a fixed
 number of steps, then reports the mean test accuracy of the ranks' models and the bytes each
 rank sent per step (``gossamer.profiling.bytes_sent``: point-to-point messages exactly,
-collectives by their ring cost, call headers included):
+collectives by their ring cost, call headers included), and the test accuracy of the
+average of the ranks' models (one uncompressed allreduce after the run, not counted):
 
 - ``allreduce``: uncompressed gradient allreduce, the baseline of the compressed rows;
 - ``--warmup K``: the first K steps of each compressed row run uncompressed;
@@ -76,8 +77,15 @@ def configurations(compressors: list[str], gossip: bool) -> list[tuple[str, dict
     return rows
 
 
-def train(options: dict, data, args) -> tuple[float, float, float]:
-    """Train one configuration; return (mean test accuracy, bytes/step/rank, seconds)."""
+def train(options: dict, data, args) -> tuple[float, float, float, float]:
+    """Train one configuration.
+
+    Returns:
+        (mean test accuracy of the ranks' models, test accuracy of their average,
+        bytes/step/rank, seconds). The averaging is one uncompressed allreduce after the
+        run, not counted in the bytes; it matters where the ranks' models differ (gossip,
+        random-k with error reset).
+    """
     rank, size = gossamer.rank(), gossamer.size()
     (images, labels), (test_images, test_labels) = data
     shard_images, shard_labels = images[rank::size], labels[rank::size]
@@ -129,7 +137,12 @@ def train(options: dict, data, args) -> tuple[float, float, float]:
     opt.close()
     acc = accuracy(model, test_images, test_labels)
     mean = gossamer.allreduce(torch.tensor([acc, sent], dtype=torch.float64))
-    return float(mean[0]), float(mean[1]), seconds
+    with torch.no_grad():
+        for value in model.state_dict().values():
+            if value.is_floating_point():
+                value.copy_(gossamer.allreduce(value))
+    averaged = accuracy(model, test_images, test_labels)
+    return float(mean[0]), averaged, float(mean[1]), seconds
 
 
 def table(results: list[dict], steps: int, size: int) -> str:
@@ -137,14 +150,15 @@ def table(results: list[dict], steps: int, size: int) -> str:
     base = {r["name"]: r for r in results if r["name"] in ("allreduce", "gossip")}
     lines = [
         f"| configuration ({size} ranks, {steps} steps) | test accuracy % | vs baseline "
-        "(points) | bytes / step / rank | vs baseline |",
-        "|---|---:|---:|---:|---:|",
+        "(points) | averaged model % | bytes / step / rank | vs baseline |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         ref = base["gossip" if r["optimizer"] == "gossip" else "allreduce"]
         lines.append(
             f"| {r['name']} | {100 * r['accuracy']:.2f} | "
-            f"{100 * (r['accuracy'] - ref['accuracy']):+.2f} | {r['bytes']:,.0f} | "
+            f"{100 * (r['accuracy'] - ref['accuracy']):+.2f} | "
+            f"{100 * r['averaged_model_accuracy']:.2f} | {r['bytes']:,.0f} | "
             f"{r['bytes'] / ref['bytes']:.3f} |"
         )
     return "\n".join(lines)
@@ -186,16 +200,20 @@ def main() -> None:
     data = split(*load_digits(), 0.2, args.seed)
     results = []
     for name, options in configurations(args.compressors, not args.no_gossip):
-        acc, sent, seconds = train(options, data, args)
+        acc, averaged, sent, seconds = train(options, data, args)
         settings = {k: getattr(args, k) for k in ("optimizer", "lr", "warmup", "steps")}
         if args.optimizer == "sgd":
             settings.update(momentum=args.momentum, local_momentum=args.local_momentum)
         results.append(
-            {"name": name, **options, "accuracy": acc, "bytes": sent, "seconds": seconds}
+            {"name": name, **options, "accuracy": acc, "averaged_model_accuracy": averaged}
+            | {"bytes": sent, "seconds": seconds}
             | {"settings": settings}
         )
         if gossamer.rank() == 0:
-            print(f"{name:32s} acc {100 * acc:6.2f} %  {sent:12,.0f} B/step  {seconds:6.1f} s")
+            print(
+                f"{name:32s} acc {100 * acc:6.2f} % (averaged model {100 * averaged:6.2f} %)  "
+                f"{sent:12,.0f} B/step  {seconds:6.1f} s"
+            )
     if gossamer.rank() == 0:
         text = table(results, args.steps, gossamer.size())
         print(text)

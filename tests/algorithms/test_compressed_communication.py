@@ -6,13 +6,15 @@ a reference that runs the same algorithm for every rank in the test process, wit
 library's compressors (which are tested on their own in tests/unit).
 """
 
+import math
+
 import pytest
 import torch
 
 import gossamer
 from gossamer import communicators, optim
 from gossamer import topology as topo
-from gossamer.compression import Payload, get_compressor
+from gossamer.compression import Payload, compression_quality, get_compressor
 from gossamer.testing import run_distributed
 from problems import least_squares_data, least_squares_optimum, linear_model
 
@@ -39,10 +41,10 @@ def _choco(spec, dynamic, rounds):
     return _run_rounds(comm, _start(r), rounds)
 
 
-def _simulate_static_choco(spec, n, rounds):
+def _simulate_static_choco(spec, n, rounds, gamma=None):
     """CHOCO on exp-2 for all ranks in one process: x_i += gamma sum_j W[j,i](h_j - h_i)."""
     c = get_compressor(spec)
-    gamma = communicators.default_gamma(c)
+    gamma = communicators.default_gamma(c) if gamma is None else gamma
     W = torch.tensor(topo.exponential_two(n).weights)
     xs = [_start(r) for r in range(n)]
     hat = [torch.zeros_like(x) for x in xs]
@@ -94,6 +96,51 @@ def test_choco_reaches_consensus_and_keeps_the_average(spec, dynamic):
     torch.testing.assert_close(got.mean(0), start.mean(0), rtol=1e-6, atol=1e-9)
 
 
+def _choco_auto(spec, rounds):
+    comm = communicators.ChocoGossip(spec, gamma="auto", topology=topo.exponential_two(4))
+    x = _run_rounds(comm, _start(gossamer.rank()), rounds)
+    return x, comm.bucket_gamma(0)
+
+
+def _spread(xs):
+    xs = torch.stack(list(xs))
+    return (xs - xs.mean(0)).norm().item()
+
+
+def test_choco_auto_gamma_is_koloskovas_step_and_converges_where_a_fixed_one_diverges():
+    spec, n, rounds = "topk:0.01", 4, 300
+    # exp-2 on 4 ranks: W = circulant(1/3, 1/3, 1/3, 0), eigenvalues 1, 1/3, +-i/3, so
+    # rho = 1 - 1/3 and beta = max |1 - lambda| = |1 - i/3| = sqrt(10)/3.
+    rho, beta = 2 / 3, math.sqrt(10) / 3
+    delta = compression_quality(get_compressor(spec), 1000)
+    gamma = rho**2 * delta / (16 * rho + rho**2 + 4 * beta**2 + 2 * rho * beta**2 - 8 * rho * delta)
+    assert communicators.choco_gamma(delta, topo.exponential_two(n)) == pytest.approx(gamma)
+    results = run_distributed(_choco_auto, n, args=(spec, rounds))
+    assert all(g == pytest.approx(gamma, rel=1e-12) for _, g in results)  # same on every rank
+    got = [x for x, _ in results]
+    want = _simulate_static_choco(spec, n, rounds, gamma=gamma)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
+    start = [_start(r) for r in range(n)]
+    torch.testing.assert_close(sum(got) / n, sum(start) / n, rtol=1e-6, atol=1e-9)
+    assert _spread(got) < 0.8 * _spread(start)
+    # A fixed step that suits topk:0.1 (0.2, measured in default_gamma) diverges here.
+    assert _spread(_simulate_static_choco(spec, n, rounds, gamma=0.2)) > _spread(start)
+
+
+def test_choco_gamma_checks_its_arguments():
+    with pytest.raises(ValueError, match="delta must be in"):
+        communicators.choco_gamma(-0.5, topo.exponential_two(4))
+    with pytest.raises(TypeError, match="topology must be a Topology"):
+        communicators.choco_gamma(0.5, [[1.0]])
+    with pytest.raises(ValueError, match="no spectral gap"):
+        communicators.choco_gamma(0.5, topo.Topology([[1.0, 0.0], [0.0, 1.0]]))
+    with pytest.raises(ValueError, match="needs a static topology"):
+        communicators.ChocoGossip("uint8", gamma="auto", schedule=iter([]))
+    with pytest.raises(ValueError, match="or 'auto'"):
+        communicators.ChocoGossip("uint8", gamma="fast")
+
+
 def _compressed_allreduce(spec, feedback):
     comm = communicators.CompressedAllreduce(spec, error_feedback=feedback)
     return _run_rounds(comm, _start(gossamer.rank(), 1001), 1)
@@ -143,6 +190,54 @@ def test_sparse_allreduce_averages_the_decoded_payloads():
     want = sum(c.decompress(c.compress(_start(r, 1001))) for r in range(n)) / n
     for g in got:
         torch.testing.assert_close(g, want)
+
+
+def _rounds_of_distinct_inputs(spec, average, rounds):
+    comm = communicators.CompressedAllreduce(spec, average=average)
+    r = gossamer.rank()
+    out = []
+    for t in range(rounds):
+        comm.next_round()
+        out.append(comm.start(_start(r + 10 * t, 1001), 0).wait())
+    return torch.stack(out)
+
+
+def _simulate_error_reset(spec, n, rounds, average):
+    """Error reset, all ranks in one process: G_i = u_i + mean_j p_j - p_i, p_i = C(u_i + e_i)."""
+    cs = [get_compressor(spec) for _ in range(n)]  # same seed: the same positions every round
+    residuals = [torch.zeros(1001, dtype=torch.float64) for _ in range(n)]
+    out = []
+    for t in range(rounds):
+        us = [_start(r + 10 * t, 1001) for r in range(n)]
+        ps = []
+        for i in range(n):
+            corrected = us[i] + residuals[i]
+            ps.append(cs[i].decompress(cs[i].compress(corrected)))
+            residuals[i] = corrected - ps[i]
+        scale = 1 if average else n
+        shared = sum(ps) / n if average else sum(ps)
+        out.append(torch.stack([scale * (us[i] - ps[i]) + shared for i in range(n)]))
+    return torch.stack(out, 1)  # [rank, round, element]
+
+
+@pytest.mark.parametrize(("world_size", "average"), [(2, True), (3, True), (3, False)])
+def test_randomk_error_reset_matches_the_one_process_simulation(world_size, average):
+    spec, rounds = "randomk:0.1:reset=true", 4
+    got = torch.stack(
+        run_distributed(_rounds_of_distinct_inputs, world_size, args=(spec, average, rounds))
+    )
+    want = _simulate_error_reset(spec, world_size, rounds, average)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # Mass is preserved: the ranks' results add up to the uncompressed ones, every round.
+    inputs = torch.stack(
+        [torch.stack([_start(r + 10 * t, 1001) for t in range(rounds)]) for r in range(world_size)]
+    )
+    exact = inputs.sum(0) if average else world_size * inputs.sum(0)
+    torch.testing.assert_close(got.sum(0), exact, rtol=1e-12, atol=1e-12)
+    # ... while the ranks differ (their residuals), unlike plain error feedback.
+    assert (got[0] - got[1]).abs().max() > 0.1
+    with pytest.raises(ValueError, match="error_feedback=False"):
+        communicators.CompressedAllreduce(spec, error_feedback=False)
 
 
 def _topk_least_squares(steps):

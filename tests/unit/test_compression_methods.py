@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from gossamer.compression import (
     RandomK,
     Sign,
     TopK,
+    compression_quality,
     get_compressor,
 )
 
@@ -269,6 +271,43 @@ def test_unbiased_randomk_is_unbiased(numel):
     assert (biased.decompress(biased.compress(x)).abs() <= x.abs()).all()
 
 
+@pytest.mark.parametrize("stride", [1, 3], ids=["every-call", "every-3rd"])
+def test_cyclic_randomk_comes_back_to_every_position(stride):
+    """Weyl-sequence offsets: each position returns within a bounded number of calls."""
+    numel, blocks = 1000, 20  # blocks of 50
+    compressor = RandomK(blocks / numel, cyclic=True, seed=4)
+    x = _randn(numel, 15)
+    last = torch.full((numel,), -1)
+    gaps = []
+    for call in range(200 * stride):
+        payload = compressor.compress(x)
+        if call % stride:
+            continue  # another tensor's call, as when several buckets share the compressor
+        kept = torch.nonzero(compressor.decompress(payload)).view(-1)
+        assert torch.equal(kept // 50, torch.arange(blocks))  # one per block, as plain
+        seen = last[kept] >= 0
+        gaps.append((call - last[kept][seen]) // stride)
+        last[kept] = call
+    gaps = torch.cat(gaps)
+    assert (last >= 0).all()  # every position kept in 4 block lengths
+    # Plain random-k's gaps are geometric (mean 50, 1 % above 230); these stay near 50.
+    assert 0.6 * 50 <= gaps.float().mean().item() <= 1.1 * 50
+    assert gaps.min() >= 10 and gaps.max() <= 2 * 50
+
+
+def test_cyclic_randomk_is_uniform_over_seeds():
+    # P(keep i) = 1 / block size at any step, over the phases drawn from the seed.
+    x, seeds = torch.ones(50, dtype=torch.float64), 400
+    counts = torch.zeros(50, dtype=torch.float64)
+    for seed in range(seeds):
+        compressor = RandomK(0.1, cyclic=True, seed=seed)
+        counts += compressor.decompress(compressor.compress(x)) != 0
+    assert ((counts / seeds - 0.1).abs() < 5 * math.sqrt(0.09 / seeds)).all()
+    assert counts.sum() == 5 * seeds  # one per block of ten
+    unbiased = RandomK(0.1, unbiased=True, cyclic=True, seed=1)
+    assert unbiased.decompress(unbiased.compress(x)).sum().item() == pytest.approx(50)
+
+
 def test_stc_matches_its_definition():
     x = _randn(10_000, 14)
     k = 100
@@ -320,3 +359,19 @@ def test_casts_round_to_nearest(compressor, dtype):
     x = _randn(1000, 17, torch.float64)
     y = compressor.decompress(compressor.compress(x))
     assert torch.equal(y, x.to(dtype).to(torch.float64))
+
+
+def test_compression_quality_matches_closed_forms():
+    z = statistics.NormalDist().inv_cdf(1 - 0.005)  # top 1 % of |N(0, 1)|: |x| > z
+    top_share = 2 * z * statistics.NormalDist().pdf(z) + 0.01  # E[x^2; |x| > z]
+    assert compression_quality(TopK(0.01), 100_000) == pytest.approx(top_share, abs=0.003)
+    assert compression_quality(Sign(), 100_000) == pytest.approx(2 / math.pi, abs=0.005)
+    assert compression_quality(RandomK(0.1), 100_000) == pytest.approx(0.1, abs=0.005)
+    assert compression_quality(get_compressor("none"), 10) == 1.0
+    stream = RandomK(0.1, seed=3)
+    compression_quality(stream, 1000)
+    assert stream.step == 0  # a copy drew the probes' positions
+    with pytest.raises(ValueError, match="numel must be >= 1; got 0"):
+        compression_quality(TopK(0.1), 0)
+    with pytest.raises(TypeError, match="compressor must be a Compressor"):
+        compression_quality("topk:0.1", 10)

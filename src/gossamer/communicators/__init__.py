@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gossamer.communicators.base import Communicator, Deferred, Pending, check_topology
-from gossamer.communicators.choco import ChocoGossip, default_gamma
+from gossamer.communicators.choco import ChocoGossip, choco_gamma, default_gamma
 from gossamer.communicators.collective import Allreduce, NoCommunication
 from gossamer.communicators.compressed import CompressedAllreduce
 from gossamer.communicators.moshpit import MoshpitAverage, grid_groups, near_cubic_grid
@@ -53,6 +53,7 @@ __all__ = [
     "PowerSGDAllreduce",
     "PushSumGossip",
     "WindowPutGossip",
+    "choco_gamma",
     "default_gamma",
     "grid_groups",
     "make",

@@ -20,6 +20,20 @@ With ``error_feedback=True`` the residual of the first compression is kept per b
 added to the next round's input (:class:`~gossamer.compression.ErrorFeedback`); it is on by
 default for biased compressors.
 
+Random-k with ``reset=True`` (``"randomk:0.01:reset=true"``) runs *error reset* (CSER, Xie et
+al., NeurIPS 2020) instead of delaying what was not sent: with :math:`u_i` this rank's
+bucket, :math:`p_i = C(u_i + e_i)` its payload (error feedback, residual :math:`e_i`) and
+:math:`\bar p` the average of the payloads, rank :math:`i` gets
+
+.. math:: G_i = u_i + \bar p - p_i
+
+(:math:`n\,(u_i - p_i) + \sum_j p_j` for sums): its own update in full, with its
+residual-corrected values replaced by the average on the kept positions. The ranks' models
+then differ by their residuals (each rank applies its own at once and withdraws it when it
+is sent), while their average moves exactly by the uncompressed average
+:math:`\frac1n \sum_i u_i`, so no coordinate waits ``1/ratio`` steps and then jumps.
+Same bytes as plain random-k.
+
 Stochastic compressors get per-rank streams (:func:`~gossamer.compression.for_rank`):
 QSGD's and natural compression's rounding noise is drawn from a stream of its own on every
 rank (``rank_seed(seed, rank)``), so it averages out instead of adding up; random-k's index
@@ -94,6 +108,11 @@ class CompressedAllreduce(Communicator):
             raise TypeError(f"error_feedback must be a bool or None; got {error_feedback!r}")
         if not isinstance(average, bool):
             raise TypeError(f"average must be a bool; got {average!r}")
+        if getattr(self.compressor, "reset", False) and not error_feedback:
+            raise ValueError(
+                f"error_feedback=False with compression={self.compressor.name!r}: error reset "
+                "shares the residual this rank has applied, so it needs error feedback"
+            )
         self.average = average
         self.feedback = ErrorFeedback(self.compressor) if error_feedback else None
         self.sparse = self.compressor.name.split(":")[0] in _SPARSIFIERS
@@ -164,7 +183,14 @@ class CompressedAllreduce(Communicator):
         transport.check_same_call("compressed_allreduce", values, None, aux=stream)
         reduce_into(values, self.average, None)
         buffer = torch.cat([head, values.view(torch.uint8)])
-        return self._decode(buffer, flat.numel(), flat).view_as(flat)
+        out = self._decode(buffer, flat.numel(), flat).view_as(flat)
+        if self.compressor.reset and self.feedback is not None:
+            # Error reset (CSER): this rank applies its own update in full at once, and on
+            # the kept positions swaps its own (residual-corrected) values for the average.
+            own = self._decode(payload.buffer, flat.numel(), flat).view_as(flat)
+            scale = 1 if self.average else transport.group_size(None)
+            out = out + scale * (flat - own)
+        return out
 
     def state_dict(self) -> dict:
         """Rounds, the compressor's state and the error-feedback residuals."""

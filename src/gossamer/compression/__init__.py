@@ -16,6 +16,7 @@ from gossamer.compression.casts import BF16, FP16, NoCompression
 from gossamer.compression.error_feedback import ErrorFeedback, default_error_feedback
 from gossamer.compression.minmax import MinMaxUInt8
 from gossamer.compression.qat import fake_quant_modules, qat_qconfig, quantize_model
+from gossamer.compression.quality import compression_quality
 from gossamer.compression.quantization import QSGD, Natural, NaturalDithering
 from gossamer.compression.registry import available_compressors, get_compressor
 from gossamer.compression.sign import Sign
@@ -37,6 +38,7 @@ __all__ = [
     "Sign",
     "TopK",
     "available_compressors",
+    "compression_quality",
     "default_error_feedback",
     "fake_quant_modules",
     "for_rank",

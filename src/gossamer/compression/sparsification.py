@@ -135,12 +135,30 @@ class RandomK(Seeded):
     Give all ranks the same ``seed`` when their random-k values are to be summed (same
     positions on every rank, as in a compressed allreduce).
 
-    Registry names: ``"randomk:<ratio>"``, ``"randomk:<ratio>:unbiased=true"``.
+    - ``cyclic=True``: block ``j`` (size ``n_j``) keeps offset ``floor(n_j frac(a_j + t /
+      phi))`` at call ``t``, with phases ``a_j`` drawn once from ``seed`` and ``phi`` the
+      golden ratio (a Weyl sequence). Each position is still kept with probability
+      ``1 / n_j`` at every call (over ``a_j``), but it comes back after about ``n_j`` calls
+      (three-gap theorem; at most about ``3 n_j`` when a caller's calls reach one tensor
+      every 2nd to 7th call) instead of after a geometric wait (mean ``n_j``, one in a
+      hundred after more than ``4.6 n_j``): what error feedback holds back is released
+      more evenly.
+    - ``reset=True``: asks :class:`~gossamer.communicators.CompressedAllreduce` for *error
+      reset* (CSER, Xie et al. 2020): each rank applies its own update at once and the
+      kept positions replace its residual-corrected values by the ranks' average, so the
+      average of the models moves exactly as uncompressed and nothing is released
+      ``1/ratio`` steps late. It needs error feedback and the biased form. The payload is
+      unchanged; other communication paths treat it as plain random-k.
+
+    Registry names: ``"randomk:<ratio>"``, ``"randomk:<ratio>:unbiased=true"``,
+    ``"randomk:<ratio>:reset=true:cyclic=true"``.
 
     Args:
         ratio: Fraction of entries kept, in ``(0, 1]``.
         unbiased: Scale kept values to make the compressor unbiased (keyword only).
         seed: Seed of the index stream (keyword only).
+        reset: Error reset in a compressed allreduce (keyword only).
+        cyclic: Weyl-sequence positions instead of independent draws (keyword only).
     """
 
     spec_name: ClassVar[str] = "randomk"
@@ -148,19 +166,24 @@ class RandomK(Seeded):
 
     ratio: float
     unbiased: bool = field(default=False, kw_only=True)  # type: ignore[misc]
+    reset: bool = field(default=False, kw_only=True)  # type: ignore[misc]
+    cyclic: bool = field(default=False, kw_only=True)  # type: ignore[misc]
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "ratio", check_ratio(self.ratio))
-        if not isinstance(self.unbiased, bool):
-            raise TypeError(f"unbiased must be a bool; got {self.unbiased!r}")
+        for name in ("unbiased", "reset", "cyclic"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
+        if self.unbiased and self.reset:
+            raise ValueError("reset=True needs the biased random-k (unbiased=False)")
 
     def _nbytes(self, numel: int, dtype: torch.dtype) -> int:
         return 16 + kept(numel, self.ratio) * dtype.itemsize
 
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         numel, step = flat.numel(), self._next_step()
-        indices, sizes = _stratified(numel, kept(numel, self.ratio), self.seed, step)
+        indices, sizes = _stratified(numel, kept(numel, self.ratio), self.seed, step, self.cyclic)
         values = flat[indices.to(flat.device)]
         if self.unbiased:
             cdt = compute_dtype(flat.dtype)
@@ -172,20 +195,36 @@ class RandomK(Seeded):
         k = kept(numel, self.ratio)
         reader = Reader(buffer)
         seed, step = reader.take(2, torch.int64).tolist()
-        indices, _ = _stratified(numel, k, seed, step)
+        indices, _ = _stratified(numel, k, seed, step, self.cyclic)
         return _scatter(numel, indices.to(buffer.device), reader.take(k, dtype))
 
 
-def _stratified(numel: int, k: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+_BITS = 62
+_WEYL = 0x9E3779B97F4A7C15 >> (64 - _BITS)  # 2^62 / golden ratio: a Weyl sequence's step
+_PHASES = (1 << _BITS) - 1  # the stream of the phases: a step no call reaches
+
+
+def _stratified(
+    numel: int, k: int, seed: int, step: int, cyclic: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Return one uniform index per block of ``[0, numel)`` cut into ``k`` blocks, and sizes.
 
     The draw is the CPU stream of ``(seed, step)``, so every device gets the same indices.
+    ``cyclic``: block ``j`` of size ``n_j`` keeps offset ``floor(n_j frac(a_j + t / phi))``
+    with ``a_j`` drawn once from ``seed``: still uniform over ``a_j``, but every position
+    comes back after between about ``0.6 n_j`` and ``1.6 n_j`` calls (three-gap theorem),
+    whatever the stride at which a caller's calls reach this tensor.
     """
     starts = torch.arange(k + 1, dtype=torch.int64) * numel // k
     sizes = starts[1:] - starts[:-1]
-    # 62 random bits modulo a block size: the modulo bias is below 2^-40 for any tensor.
-    draws = torch.randint(0, 1 << 62, (k,), generator=generator(seed, step))
-    return starts[:-1] + draws % sizes, sizes
+    if not cyclic:
+        # 62 random bits modulo a block size: the modulo bias is below 2^-40 for any tensor.
+        draws = torch.randint(0, 1 << _BITS, (k,), generator=generator(seed, step))
+        return starts[:-1] + draws % sizes, sizes
+    phases = torch.randint(0, 1 << _BITS, (k,), generator=generator(seed, _PHASES))
+    turn = (phases + (step * _WEYL) % (1 << _BITS)) % (1 << _BITS)
+    offsets = (turn.double() * (sizes.double() / 2.0**_BITS)).long()
+    return starts[:-1] + torch.minimum(offsets, sizes - 1), sizes
 
 
 @dataclass(frozen=True, repr=False)
