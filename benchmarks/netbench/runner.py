@@ -32,8 +32,13 @@ def run_job(
     *,
     module: str = "benchmarks.netbench.worker",
     timeout: float = 1800.0,
+    launcher_args: tuple[str, ...] = (),
+    lost_host: int | None = None,
 ) -> list[dict]:
     """Run ``module`` on ``ranks_per_host`` ranks on every host; return rank 0's rows.
+
+    ``launcher_args`` go to every host's ``gossamer run``; the launcher of ``lost_host``
+    (whose ranks the job kills on purpose) may exit with any code.
 
     Raises:
         RuntimeError: a host's launcher failed or the job ran past ``timeout`` (its log
@@ -52,7 +57,7 @@ def run_job(
         for host in hosts:
             argv = [
                 *cluster.netns_exec(host), sys.executable, "-m", "gossamer.launcher", "run",
-                "--nnodes", str(len(hosts)), "--node-rank", str(host.index),
+                *launcher_args, "--nnodes", str(len(hosts)), "--node-rank", str(host.index),
                 "--nproc-per-node", str(ranks_per_host),
                 "--rdzv-endpoint", f"{hosts[0].address}:{RDZV_PORT}",
                 "--network-interface", host.interface,
@@ -67,15 +72,17 @@ def run_job(
                     start_new_session=True,
                 )  # fmt: skip
             procs.append((proc, log))
-        _wait(procs, time.monotonic() + timeout)
+        _wait(procs, time.monotonic() + timeout, lost_host)
     finally:
         _stop(procs)
     return json.loads(result.read_text())
 
 
-def _wait(procs: list[tuple[subprocess.Popen, Path]], deadline: float) -> None:
+def _wait(procs: list[tuple[subprocess.Popen, Path]], deadline: float, lost: int | None) -> None:
     while True:
         codes = [proc.poll() for proc, _ in procs]
+        if lost is not None and codes[lost] is not None:
+            codes[lost] = 0
         for code, (_, log) in zip(codes, procs, strict=True):
             if code:
                 tail = log.read_text()[-2000:]

@@ -122,3 +122,49 @@ def test_a_joining_machine_restarts_the_job_on_more_ranks_from_the_average(tmp_p
         loaded = torch.load(tmp_path / f"loaded{rank}.pt")
         for got, want in zip(loaded, mean, strict=True):
             torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7)
+
+
+# Two machines (agents) of one rank each under --elastic; machine 1's rank dies at step 3.
+SURVIVE = textwrap.dedent(r"""
+    import os, signal, time, torch
+    import gossamer
+    from gossamer import optim, topology
+    gossamer.init()
+    rank, size = gossamer.rank(), gossamer.size()
+    model = torch.nn.Linear(3, 1)
+    opt = optim.AdaptWithCombine(torch.optim.SGD(model.parameters(), lr=0.05), model,
+                                 topology=topology.ring(size), elastic=True)
+    for step in range(30):
+        if int(os.environ["GROUP_RANK"]) == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.zero_grad()
+        model(torch.randn(4, 3)).pow(2).mean().backward()
+        opt.step()
+        time.sleep(0.05)
+    opt.synchronize()
+    os.write(1, f"rank {rank} finished, live {gossamer.live_ranks()}\n".encode())
+    gossamer.shutdown()
+""")
+
+
+@pytest.mark.timeout(240)
+def test_a_machine_whose_ranks_all_died_does_not_hold_the_others_at_exit(tmp_path):
+    # torchrun's agents meet at an exit barrier only on success; the machine that lost its
+    # ranks meets the others there too, so neither waits out the barrier's 300 s.
+    (tmp_path / "job.py").write_text(SURVIVE)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "gossamer.launcher", "run", "--elastic", "--nnodes", "2",
+           "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", f"survive{port}", "job.py"]  # fmt: skip
+    environ = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    machines = [
+        subprocess.Popen(cmd, cwd=tmp_path, env=environ, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]  # fmt: skip
+    # Without the meeting, the survivor's launcher would wait out the barrier: a timeout.
+    out = [m.communicate(timeout=200) for m in machines]
+    codes = sorted(m.returncode for m in machines)
+    assert codes == [0, 137], out
+    finished = [line for o, _ in out for line in o.splitlines() if "finished" in line]
+    assert finished in (["rank 0 finished, live [0]"], ["rank 1 finished, live [1]"]), out

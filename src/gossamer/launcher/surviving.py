@@ -26,7 +26,12 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.launcher.api as launcher_api
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    RunResult,
+    WorkerGroup,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -58,6 +63,16 @@ class SurvivingAgent(LocalElasticAgent):
         self.min_ranks = min_ranks
         self.lost: dict[int, ProcessFailure] = {}
         self._watched: object | None = None  # the process context `lost` belongs to
+
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        result = super()._invoke_run(role)
+        if result.is_failed():
+            # torchrun meets the other machines' agents at an exit barrier only on success,
+            # so theirs would wait 300 s for this one. The job goes on without this
+            # machine's ranks: meet them there, which also keeps the store up if this agent
+            # serves it.
+            self._exit_barrier()
+        return result
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         pcontext = self._pcontext
