@@ -35,7 +35,7 @@ __all__ = [
     "targets",
 ]
 
-RING = ("ddp", "gradient-allreduce", "bagua-gradient-allreduce")
+RING = ("ddp", "gradient-allreduce", "gradient-allreduce-25mb", "bagua-gradient-allreduce")
 # Bytes per step not fixed: async averages on its own clock (every sync_interval_ms).
 UNMODELLED = ("bagua-async",)
 EXP2 = ("awc/exp2", "atc/exp2", "win-put")

@@ -41,6 +41,7 @@ STRATEGIES = (
     "compute",
     "ddp",
     "gradient-allreduce",
+    "gradient-allreduce-25mb",
     "awc/exp2",
     "atc/exp2",
     "atc/one-peer",
@@ -279,8 +280,10 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         return model, sgd
     if strategy == "ddp":
         return nn.parallel.DistributedDataParallel(model), sgd
-    if strategy == "gradient-allreduce":
-        return model, optim.GradientAllreduce(sgd, model)
+    if strategy in ("gradient-allreduce", "gradient-allreduce-25mb"):
+        # -25mb: DDP's bucket size (bucket_cap_mb=25) instead of gossamer's 8 MiB.
+        fusion = {"fusion_threshold_bytes": 25 * 2**20} if strategy.endswith("25mb") else {}
+        return model, optim.GradientAllreduce(sgd, model, **fusion)
     if strategy == "awc/exp2":
         return model, optim.AdaptWithCombine(sgd, model, topology=topo.exponential_two(size))
     if strategy == "atc/exp2":
