@@ -35,7 +35,13 @@ __all__ = [
     "targets",
 ]
 
-RING = ("ddp", "gradient-allreduce", "gradient-allreduce-25mb", "bagua-gradient-allreduce")
+RING = (
+    "ddp",
+    "gradient-allreduce",
+    "gradient-allreduce-25mb",
+    "raw-allreduce",
+    "bagua-gradient-allreduce",
+)
 # Bytes per step not fixed: async averages on its own clock (every sync_interval_ms).
 UNMODELLED = ("bagua-async",)
 EXP2 = ("awc/exp2", "atc/exp2", "win-put")

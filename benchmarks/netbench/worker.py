@@ -42,6 +42,7 @@ STRATEGIES = (
     "ddp",
     "gradient-allreduce",
     "gradient-allreduce-25mb",
+    "raw-allreduce",
     "awc/exp2",
     "atc/exp2",
     "atc/one-peer",
@@ -95,6 +96,34 @@ def param_bytes(model: nn.Module) -> int:
 
 
 _TWIN: list = []
+
+
+class RawAllreduce:
+    """The allreduce probe: after backward, the flat gradient averaged by one ``all_reduce``.
+
+    Serial (no overlap with backward) and without gossamer's thread or call check: what one
+    gloo ring allreduce of the whole gradient costs, beside DDP (overlapped buckets) and
+    gossamer's ``GradientAllreduce``.
+    """
+
+    def __init__(self, sgd: torch.optim.Optimizer, model: nn.Module) -> None:
+        self.sgd, self.params = sgd, list(model.parameters())
+
+    def zero_grad(self) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``."""
+        self.sgd.zero_grad()
+
+    def step(self) -> None:
+        """Average the gradients in one call, then the local step."""
+        grads = [p.grad for p in self.params]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        flat /= gossamer.size()
+        at = 0
+        for g in grads:
+            g.copy_(flat[at : at + g.numel()].view_as(g))
+            at += g.numel()
+        self.sgd.step()
 
 
 class RawOnePeer:
@@ -315,6 +344,8 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         )
         raw.schedule = _fixed_peer(1 if strategy.endswith("shift") else size // 2)
         return model, raw
+    if strategy == "raw-allreduce":
+        return model, RawAllreduce(sgd, model)
     if strategy == "gossamer-exchange/one-peer":
         return model, GossamerExchange(sgd, model)
     if strategy == "raw-overlap/one-peer":
