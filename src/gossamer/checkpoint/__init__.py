@@ -194,8 +194,10 @@ def load(
         states = [payload["model"]] if single else payload["model"]
         for module, state in zip(models, states, strict=True):
             module.load_state_dict(state)
-        if resized:
-            _load_resized(optimizer, payload["optimizer"])
+        if resized and isinstance(optimizer, DecentralizedOptimizer):
+            # Averaged inner state and the step counter; the communication state stays.
+            optimizer.optimizer.load_state_dict(payload["optimizer"]["optimizer"])
+            optimizer.steps = payload["optimizer"]["steps"]
         else:
             optimizer.load_state_dict(payload["optimizer"])
         if restore_rng and not resized:
@@ -204,14 +206,6 @@ def load(
         error = err
     exchange(rank, size, error, [], "load")
     return payload["extra"]
-
-
-def _load_resized(optimizer: DecentralizedOptimizer | torch.optim.Optimizer, state: dict) -> None:
-    if isinstance(optimizer, DecentralizedOptimizer):
-        optimizer.optimizer.load_state_dict(state["optimizer"])
-        optimizer.steps = state["steps"]
-    else:
-        optimizer.load_state_dict(state["optimizer"])
 
 
 # ---------------------------------------------------------------------- arguments

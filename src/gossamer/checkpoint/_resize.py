@@ -58,7 +58,7 @@ def _resized(payloads: list[dict]) -> dict:
             "steps": int(states[0]["communication"]["steps"]),
         }
     else:
-        optimizer = {"optimizer": mean(states), "steps": None}
+        optimizer = mean(states)  # a plain torch optimizer's state dict
     return {**first, "model": mean([p["model"] for p in payloads]), "optimizer": optimizer}
 
 
