@@ -91,7 +91,7 @@ def host_egress_bytes(strategy: str, model_bytes: float, ranks: int, per_host: i
     hosts = n // p
     if strategy == "compute" or hosts <= 1:
         return 0.0
-    if strategy in RING:
+    if strategy in RING or strategy.startswith("gradient-allreduce-"):
         return 2 * (n - 1) / n * m
 
     def off_host(rank: int, offset: int) -> bool:

@@ -309,9 +309,10 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         return model, sgd
     if strategy == "ddp":
         return nn.parallel.DistributedDataParallel(model), sgd
-    if strategy in ("gradient-allreduce", "gradient-allreduce-25mb"):
-        # -25mb: DDP's bucket size (bucket_cap_mb=25) instead of gossamer's 8 MiB.
-        fusion = {"fusion_threshold_bytes": 25 * 2**20} if strategy.endswith("25mb") else {}
+    if strategy.startswith("gradient-allreduce"):
+        # -<N>mb: buckets of N MiB instead of gossamer's 8 (-25mb: DDP's bucket_cap_mb).
+        mib = strategy.removeprefix("gradient-allreduce").strip("-").removesuffix("mb")
+        fusion = {"fusion_threshold_bytes": int(float(mib) * 2**20)} if mib else {}
         return model, optim.GradientAllreduce(sgd, model, **fusion)
     if strategy == "awc/exp2":
         return model, optim.AdaptWithCombine(sgd, model, topology=topo.exponential_two(size))

@@ -4,19 +4,48 @@ from __future__ import annotations
 
 import torch
 
-from gossamer import ops
+from gossamer import ops, transport
 from gossamer.communicators.base import Communicator, Pending
 
 __all__ = ["Allreduce", "NoCommunication"]
 
 
 class Allreduce(Communicator):
-    r"""Every round is the global average :math:`\bar x = \frac1n \sum_i x_i`."""
+    r"""Every round is the global average :math:`\bar x = \frac1n \sum_i x_i`.
+
+    On gloo, float32 and float64 host buckets are averaged by allreduces posted from the
+    caller's thread (:func:`gossamer.transport.post_allreduce`): the layout of each bucket
+    is checked across ranks in its first round, later rounds post without a call header.
+    Other buckets go through :func:`gossamer.ops.allreduce`.
+
+    Args:
+        in_place (bool): a round may overwrite the tensor it is given with the average
+            (the optimizer's own fusion buffer), saving a copy of every bucket.
+        global_average_every: as :class:`Communicator`'s.
+    """
 
     name = "allreduce"
 
+    def __init__(self, *, in_place: bool = False, global_average_every: int | None = None):
+        super().__init__(global_average_every=global_average_every)
+        if not isinstance(in_place, bool):
+            raise TypeError(f"in_place must be a bool; got {in_place!r}")
+        self.in_place = in_place
+        self._buffers: dict[int, torch.Tensor] = {}  # the copies posted when not in place
+        self._checked: dict[int, tuple[torch.dtype, int]] = {}  # layout checked per bucket
+
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
-        return ops.allreduce(flat, async_op=True)
+        if not transport.can_post(flat):
+            return ops.allreduce(flat, async_op=True)
+        if not self.in_place:
+            buffer = self._buffers.get(index)
+            if buffer is None or buffer.dtype != flat.dtype or buffer.numel() != flat.numel():
+                buffer = self._buffers[index] = torch.empty_like(flat)
+            flat = buffer.copy_(flat)
+        layout = (flat.dtype, flat.numel())
+        check = self._checked.get(index) != layout
+        self._checked[index] = layout
+        return transport.post_allreduce("allreduce", flat, check=check)
 
 
 class NoCommunication(Communicator):

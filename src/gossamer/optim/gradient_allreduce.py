@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gossamer.communicators import Communicator
+from gossamer.communicators import Allreduce, Communicator
 from gossamer.compression import Compressor
 from gossamer.optim.base import DecentralizedOptimizer, NoSync
 
@@ -47,6 +47,9 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
         num_steps_per_communication: int = 1,
         fusion_threshold_bytes=8 * 2**20,
     ) -> None:
+        if communicator is None and compression is None and error_feedback is None:
+            # The buckets hold copies of the gradients: averaging them in place saves a copy.
+            communicator = Allreduce(in_place=True)
         super().__init__(
             optimizer,
             model,

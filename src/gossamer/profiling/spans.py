@@ -21,6 +21,7 @@ from typing import TypeVar
 __all__ = [
     "PHASES",
     "activity",
+    "begin",
     "end_activity",
     "record",
     "sent",
@@ -178,6 +179,30 @@ def traced(name: str, job: Callable[[], T]) -> Callable[[], T]:
             events.append((name, "running", started, _now(), error, sent[0]))
 
     return run
+
+
+def _nothing() -> None:
+    pass
+
+
+def begin(name: str, phase: str) -> Callable[[], None]:
+    """Begin ``phase`` on row ``name`` now; the returned function ends it, from any thread.
+
+    For work that runs outside gossamer's threads (an allreduce posted to gloo, ended by its
+    completion callback). While the timeline is off, a shared no-op.
+
+    Example:
+        >>> end = begin("allreduce", "communicating")
+        >>> end()
+    """
+    if not _on:
+        return _nothing
+    events, t0 = _events, _now()
+
+    def end() -> None:
+        events.append((name, phase, t0, _now(), None, 0))
+
+    return end
 
 
 def sent(op: str, nbytes: int) -> None:

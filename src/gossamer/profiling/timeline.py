@@ -57,6 +57,7 @@ from gossamer.profiling.session import (
 from gossamer.profiling.spans import (
     PHASES,
     activity,
+    begin,
     end_activity,
     record,
     start_activity,
@@ -68,6 +69,7 @@ from gossamer.profiling.trace import merge_traces
 __all__ = [
     "PHASES",
     "activity",
+    "begin",
     "end_activity",
     "maybe_start_from_env",
     "merge_traces",

@@ -6,7 +6,8 @@ One communication thread per process (:mod:`~gossamer.transport.engine`), one ca
 checks (:mod:`~gossamer.transport.p2p`), errors that name the peer or the dead rank
 (:mod:`~gossamer.transport.failures`, :mod:`~gossamer.transport.liveness`), the live set the
 survivors agree on (:mod:`~gossamer.transport.membership`), argument
-checks at the public boundary (:mod:`~gossamer.transport.checks`), and rejected calls that
+checks at the public boundary (:mod:`~gossamer.transport.checks`), bucket allreduces
+posted from the caller's thread (:mod:`~gossamer.transport.posted`), and rejected calls that
 peers learn of at once (:mod:`~gossamer.transport.rejection`), and device tensors staged
 through host memory on gloo (:mod:`~gossamer.transport.staging`). ``gossamer.ops`` and
 ``gossamer.windows`` stand on it.
@@ -42,6 +43,7 @@ from gossamer.transport.membership import (
 )
 from gossamer.transport.p2p import Survived, check_same_call
 from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
+from gossamer.transport.posted import Posted, can_post, post_allreduce
 from gossamer.transport.rejection import gather_reasons, peer_argument_error, reject
 
 # The exchanges that reach other modules are staged: device tensors travel through host
@@ -69,8 +71,10 @@ __all__ = [
     "Header",
     "Membership",
     "MembershipChange",
+    "Posted",
     "Survived",
     "as_bytes",
+    "can_post",
     "check_flag",
     "check_rank",
     "check_rank_list",
@@ -96,6 +100,7 @@ __all__ = [
     "needs_staging",
     "on_membership_change",
     "peer_argument_error",
+    "post_allreduce",
     "reject",
     "run",
     "staged",
