@@ -12,7 +12,7 @@ import torch
 
 from gossamer import context, ops, transport
 from gossamer.combine import scaled_copies, weighted_sum
-from gossamer.communicators.base import Communicator, Pending, check_topology
+from gossamer.communicators.base import Communicator, Deferred, Pending, check_topology
 from gossamer.errors import PeerError, TopologyError
 from gossamer.fusion import Bucket
 from gossamer.topology import Step, Topology, drop_dead
@@ -104,6 +104,10 @@ class NeighborAllreduce(Scheduled):
         self.src_weights: Mapping[int, float] | None = None
         self.dst_weights: Mapping[int, float] | Sequence[int] | None = None
         self.check_topology = False
+        # Posted rounds (dynamic schedules on gloo): receive buffers per (bucket, source
+        # slot), and the bucket layouts checked across ranks.
+        self._receive_buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._checked: dict[int, tuple[torch.dtype, int]] = {}
 
     def bind(self, buckets: Sequence[Bucket]) -> None:
         """Check the topology against the world when the optimizer is built.
@@ -137,12 +141,31 @@ class NeighborAllreduce(Scheduled):
             )
         if self.step is None:
             return ops.neighbor_allreduce(flat, topology=self.topology, async_op=True)
+        if transport.can_post(flat) and not self.check_topology:
+            return self._post(flat, index, self.step)
         return ops.neighbor_allreduce(
             flat,
             self_weight=self.step.self_weight,
             src_weights=self.step.src_weights,
             dst_weights=self.step.dst_weights,
             async_op=True,
+        )
+
+    def _post(self, flat: torch.Tensor, index: int, step: Step) -> Pending:
+        """This round posted from the caller's thread (:func:`gossamer.transport.post_exchange`)."""
+        receives = {}
+        for slot, source in enumerate(step.recv_ranks):
+            buffer = self._receive_buffers.get((index, slot))
+            if buffer is None or buffer.dtype != flat.dtype or buffer.numel() != flat.numel():
+                buffer = self._receive_buffers[index, slot] = torch.empty_like(flat)
+            receives[source] = buffer
+        layout = (flat.dtype, flat.numel())
+        check = self._checked.get(index) != layout
+        self._checked[index] = layout
+        sends = scaled_copies(flat, step.dst_weights)
+        exchange = transport.post_exchange(self.name, flat, sends, receives, key=index, check=check)
+        return Deferred(
+            lambda: weighted_sum(flat, step.self_weight, exchange.wait(), step.src_weights)
         )
 
 

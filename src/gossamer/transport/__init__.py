@@ -5,10 +5,10 @@ One communication thread per process (:mod:`~gossamer.transport.engine`), one ca
 (:mod:`~gossamer.transport.payload`), point-to-point exchanges in chunks with same-call
 checks (:mod:`~gossamer.transport.p2p`), errors that name the peer or the dead rank
 (:mod:`~gossamer.transport.failures`, :mod:`~gossamer.transport.liveness`), the live set the
-survivors agree on (:mod:`~gossamer.transport.membership`), argument
-checks at the public boundary (:mod:`~gossamer.transport.checks`), bucket allreduces
-posted from the caller's thread (:mod:`~gossamer.transport.posted`), and rejected calls that
-peers learn of at once (:mod:`~gossamer.transport.rejection`), and device tensors staged
+survivors agree on (:mod:`~gossamer.transport.membership`), argument checks at the public
+boundary (:mod:`~gossamer.transport.checks`), bucket allreduces and exchanges posted from
+the caller's thread (:mod:`~gossamer.transport.posted`), rejected calls that peers learn of
+at once (:mod:`~gossamer.transport.rejection`), and device tensors staged
 through host memory on gloo (:mod:`~gossamer.transport.staging`). ``gossamer.ops`` and
 ``gossamer.windows`` stand on it.
 """
@@ -43,7 +43,13 @@ from gossamer.transport.membership import (
 )
 from gossamer.transport.p2p import Survived, check_same_call
 from gossamer.transport.payload import as_bytes, from_bytes, nbytes_of
-from gossamer.transport.posted import Posted, can_post, post_allreduce
+from gossamer.transport.posted import (
+    Posted,
+    PostedExchange,
+    can_post,
+    post_allreduce,
+    post_exchange,
+)
 from gossamer.transport.rejection import gather_reasons, peer_argument_error, reject
 
 # The exchanges that reach other modules are staged: device tensors travel through host
@@ -72,6 +78,7 @@ __all__ = [
     "Membership",
     "MembershipChange",
     "Posted",
+    "PostedExchange",
     "Survived",
     "as_bytes",
     "can_post",
@@ -101,6 +108,7 @@ __all__ = [
     "on_membership_change",
     "peer_argument_error",
     "post_allreduce",
+    "post_exchange",
     "reject",
     "run",
     "staged",

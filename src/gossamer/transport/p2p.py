@@ -46,10 +46,18 @@ from gossamer.transport.rejection import (
     rejected_header,
 )
 
-__all__ = ["Survived", "check_same_call", "exchange", "exchange_rejected", "exchange_surviving"]
+__all__ = [
+    "MAX_CHUNKS",
+    "Survived",
+    "check_same_call",
+    "exchange",
+    "exchange_rejected",
+    "exchange_surviving",
+    "post_chunks",
+]
 
 _HEADER_TAG = 0x6F01
-_DATA_TAG = 0x6F02  # data chunks use 0x6F02 .. 0x6F02 + _MAX_CHUNKS - 1
+_DATA_TAG = 0x6F02  # data chunks use 0x6F02 .. 0x6F02 + MAX_CHUNKS - 1
 # Large CPU messages between machines travel as several chunks in flight per peer.
 # Measured on emulated 100 Mbit links (benchmarks/netbench, 4 hosts): a 1.2 MB exchange
 # alternating between peers took 150 ms per call as one gloo message and 110 ms as 4 or 16
@@ -57,7 +65,7 @@ _DATA_TAG = 0x6F02  # data chunks use 0x6F02 .. 0x6F02 + _MAX_CHUNKS - 1
 # exchanges about 30 % slower, so messages between ranks of one machine stay whole.
 _CHUNK_BYTES = 256 * 2**10
 _PEER_ARG = {dist.isend: "group_dst", dist.irecv: "group_src"}
-_MAX_CHUNKS = 32
+MAX_CHUNKS = 32
 
 
 class Buffers:
@@ -100,16 +108,17 @@ def _chunks(tensor: torch.Tensor, remote: bool) -> list[torch.Tensor]:
     """
     if not remote or tensor.device.type != "cpu" or tensor.nbytes <= _CHUNK_BYTES:
         return [tensor]  # NCCL coalesces a batch itself
-    pieces = min(_MAX_CHUNKS, math.ceil(tensor.nbytes / _CHUNK_BYTES))
+    pieces = min(MAX_CHUNKS, math.ceil(tensor.nbytes / _CHUNK_BYTES))
     return list(tensor.tensor_split(pieces))
 
 
-def _post(
+def post_chunks(
     sends: Sequence[tuple[int, torch.Tensor]],
     recvs: Sequence[tuple[int, torch.Tensor]],
     group: dist.ProcessGroup | None,
     tag: int,
     failed: dict[int, str] | None = None,
+    reverse: dist.ProcessGroup | None = None,
 ) -> list[tuple[int, dist.Work]]:
     """Post every send and receive (flat bytes) at once, in chunks with tags ``tag``, ...
 
@@ -117,9 +126,12 @@ def _post(
     With ``failed`` (elastic exchanges), pieces are posted one by one and a peer whose
     post raises a backend error (gloo refuses a pair whose peer died) is recorded there
     with the error, and not posted to again, instead of stopping the whole batch.
+    ``reverse``: the group of messages from a higher to a lower rank, when ``group`` is
+    not None (over the world, the runtime's second group).
     """
     layout = context.layout()
-    reverse = context.reverse_group() if group is None else None
+    if group is None:
+        reverse = context.reverse_group()
 
     def pieces(peer: int, tensor: torch.Tensor) -> list[torch.Tensor]:
         remote = layout.machine_of[_global(group, peer)] != layout.machine_rank
@@ -182,8 +194,8 @@ def _p2p(
     group: dist.ProcessGroup | None,
     tag: int,
 ) -> None:
-    """Post every send and receive at once (see :func:`_post`) and wait for all of them."""
-    works = _post(sends, recvs, group, tag)
+    """Post every send and receive at once (see :func:`post_chunks`) and wait for all of them."""
+    works = post_chunks(sends, recvs, group, tag)
     count_sent(op, sum(t.nbytes for _, t in sends))
     wait_works(op, works)
 
@@ -400,7 +412,7 @@ def exchange_surviving(
     header_bytes = as_bytes(mine.encode())
     with timeline.record(op, "communicating"):
         failed: dict[int, str] = {}
-        posted = _post(
+        posted = post_chunks(
             [(d, header_bytes) for d in sends],
             [(s, as_bytes(h)) for s, h in heads.items()],
             group,
@@ -411,7 +423,7 @@ def exchange_surviving(
         theirs = {s: Header.decode(h) for s, h in heads.items() if _global(group, s) not in failed}
         raw = {s: buffers.get(h, tensor.device, s) for s, h in theirs.items()}
         payloads = [(d, as_bytes(t)) for d, t in sends.items() if _global(group, d) not in failed]
-        posted = _post(payloads, list(raw.items()), group, _DATA_TAG, failed)
+        posted = post_chunks(payloads, list(raw.items()), group, _DATA_TAG, failed)
         count_sent(op, len(sends) * header_bytes.nbytes + sum(t.nbytes for _, t in payloads))
         failed.update(_wait_each(posted))
     if failed:

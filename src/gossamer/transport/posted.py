@@ -1,4 +1,4 @@
-"""Allreduces posted from the caller's thread, on a gloo group of their own.
+"""Bucket allreduces and exchanges posted from the caller's thread, on gloo groups of their own.
 
 The communication thread (:mod:`~gossamer.transport.engine`) keeps program order by running
 every operation itself, with a call header before each. For the buckets of a backward pass
@@ -11,6 +11,12 @@ with the communication thread's. gloo's own threads move the bytes (torch DDP's 
 does the same). The wait translates gloo's errors like every other wait
 (:func:`~gossamer.transport.failures.wait_works`); a rank that dies closes its connections,
 so the wait fails with :class:`~gossamer.errors.RankLostError` rather than hanging.
+
+Neighbour rounds of a fixed bucket are posted the same way (:func:`post_exchange`): after
+the first round's check, each round posts its chunked receives and sends at once, with the
+bucket's index in the tags, so that rounds of different buckets cannot match each other.
+On more than one machine the two directions of a pair travel on two groups, as in
+:mod:`~gossamer.transport.p2p`.
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from gossamer import context
-from gossamer.profiling import count_collective, timeline
+from gossamer.profiling import count_collective, count_sent, timeline
 from gossamer.transport.failures import is_backend_error, lost_error, translate, wait_works
 from gossamer.transport.liveness import get_liveness
-from gossamer.transport.p2p import check_same_call
+from gossamer.transport.p2p import MAX_CHUNKS, check_same_call, post_chunks
+from gossamer.transport.payload import as_bytes
 
-__all__ = ["Posted", "can_post", "post_allreduce"]
+__all__ = ["Posted", "PostedExchange", "can_post", "post_allreduce", "post_exchange"]
 
 _FLOATS = (torch.float32, torch.float64)  # summed by gloo as they are (no widening)
 
@@ -36,6 +43,16 @@ def _group() -> dist.ProcessGroup:
     timeout = timedelta(seconds=context.timeout())
     return context.runtime().component(
         "posted_group", lambda: dist.new_group(backend="gloo", timeout=timeout)
+    )
+
+
+def _reverse_group() -> dist.ProcessGroup | None:
+    """The second group of posted exchanges (higher to lower rank); None on one machine."""
+    if context.reverse_group() is None:
+        return None
+    timeout = timedelta(seconds=context.timeout())
+    return context.runtime().component(
+        "posted_reverse_group", lambda: dist.new_group(backend="gloo", timeout=timeout)
     )
 
 
@@ -65,6 +82,13 @@ class Posted:
         return self._tensor
 
 
+def _check_live(op: str):
+    live = get_liveness()
+    if live is not None and live.lost:
+        raise lost_error(op, live.lost)
+    return live
+
+
 def post_allreduce(op: str, tensor: torch.Tensor, *, check: bool) -> Posted:
     r"""Start averaging ``tensor`` in place over the world: :math:`x \leftarrow \frac1n\sum_r x_r`.
 
@@ -76,9 +100,7 @@ def post_allreduce(op: str, tensor: torch.Tensor, *, check: bool) -> Posted:
         PeerError: ``check`` found that ranks posted different tensors.
         RankLostError: a rank was lost earlier.
     """
-    live = get_liveness()
-    if live is not None and live.lost:
-        raise lost_error(op, live.lost)
+    live = _check_live(op)
     group = _group()
     if check:
         check_same_call(op, tensor, group)
@@ -94,3 +116,57 @@ def post_allreduce(op: str, tensor: torch.Tensor, *, check: bool) -> Posted:
     size = dist.get_world_size(group)
     count_collective(op, "all_reduce", tensor.nbytes, size)
     return Posted(op, work, tensor, size)
+
+
+class PostedExchange:
+    """A posted exchange in flight; :meth:`wait` returns the received tensors by source."""
+
+    def __init__(self, op: str, works: list, received: dict[int, torch.Tensor]) -> None:
+        self._op, self._works, self._received = op, works, received
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        """Wait for every send and receive of the round."""
+        if self._works:
+            works, self._works = self._works, []
+            wait_works(self._op, works)
+        return self._received
+
+
+def post_exchange(
+    op: str,
+    tensor: torch.Tensor,
+    sends: dict[int, torch.Tensor],
+    receives: dict[int, torch.Tensor],
+    *,
+    key: int,
+    check: bool,
+) -> PostedExchange:
+    """Start sending ``sends[d]`` to every ``d`` and receiving into ``receives[s]``.
+
+    Every tensor must be laid out like ``tensor`` (which :func:`can_post` takes), sends
+    and receives must not change until :meth:`PostedExchange.wait` returned, and every
+    peer must post the same ``key`` (a bucket index) for the same round. ``check``: first
+    check, with a call header over every rank (blocking), that all ranks post ``tensor``'s
+    dtype and size under ``key``; callers check once per bucket, then post without.
+
+    Raises:
+        PeerError: ``check`` found that ranks posted different tensors.
+        RankLostError: a rank was lost earlier.
+    """
+    live = _check_live(op)
+    group, reverse = _group(), _reverse_group()
+    if check:
+        check_same_call(op, tensor, group, aux=key)
+    end_span = timeline.begin(op, "communicating")
+    sent = [(d, as_bytes(t)) for d, t in sends.items()]
+    received = [(s, as_bytes(t)) for s, t in receives.items()]
+    try:
+        works = post_chunks(sent, received, group, key * MAX_CHUNKS, reverse=reverse)
+    except RuntimeError as err:  # gloo raises at once when a connection already broke
+        if not is_backend_error(err):
+            raise
+        raise translate(op, -1, err, live) from err
+    if works and timeline.timeline_enabled():
+        torch.futures.collect_all([w.get_future() for _, w in works]).then(lambda _: end_span())
+    count_sent(op, sum(t.nbytes for _, t in sent))
+    return PostedExchange(op, works, receives)
