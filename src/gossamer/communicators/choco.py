@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from gossamer import transport
-from gossamer.communicators.base import Pending, check_topology
+from gossamer.communicators.base import Deferred, Pending, check_topology
 from gossamer.communicators.compressed import codec_id, rank_compressor
 from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, Payload, compression_quality, get_compressor
@@ -162,6 +162,9 @@ class ChocoGossip(Scheduled):
         self.copies: dict[int, dict[tuple, torch.Tensor]] = {}
         self._ranked = False
         self._use_rank_streams()
+        # Posted rounds: receive buffers per (bucket, source slot), payload sizes checked.
+        self._receive_buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._checked: dict[int, int] = {}
 
     def _use_rank_streams(self) -> None:
         """Give the compressor this rank's random stream (see ``for_rank``), once known."""
@@ -179,7 +182,6 @@ class ChocoGossip(Scheduled):
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         self._use_rank_streams()
-        x = flat.detach().clone()
         step = self.step
         if step is None:
             graph = get_topology() if self.topology is None else self.topology
@@ -190,18 +192,21 @@ class ChocoGossip(Scheduled):
             plan = (list(step.send_ranks), dict(step.src_weights), True)
         if self.gamma == "auto" and index not in self._gammas:
             graph = get_topology() if self.topology is None else self.topology
-            delta = compression_quality(self.compressor, max(x.numel(), 1))
+            delta = compression_quality(self.compressor, max(flat.numel(), 1))
             self._gammas[index] = choco_gamma(delta, graph)
+        if self.compressor.exact_nbytes and transport.can_post(flat):
+            return self._post(flat, index, *plan)
+        x = flat.detach().clone()
         return transport.submit(self.name, lambda: self._round(x, index, *plan))
 
     def bucket_gamma(self, index: int = 0) -> float:
         """The consensus step used for bucket ``index`` (``"auto"``: once it has run)."""
         return self._gammas[index] if self.gamma == "auto" else float(self.gamma)
 
-    def _round(
-        self, x: torch.Tensor, index: int, dsts: list[int], weights: dict[int, float], edged: bool
-    ) -> torch.Tensor:
-        flat = x.reshape(-1)
+    def _encode(
+        self, flat: torch.Tensor, index: int, dsts: list[int], edged: bool
+    ) -> tuple[list[tuple], dict[int, torch.Tensor]]:
+        """Compress the differences to the public copies and update them; what to send."""
         mine = [("out", d) for d in dsts] if edged else [("self",)]
         sends: dict[int, torch.Tensor] = {}
         for key in mine:
@@ -210,19 +215,67 @@ class ChocoGossip(Scheduled):
             public.add_(self.compressor.decompress(payload))
             for d in dsts if not edged else [key[1]]:
                 sends[d] = payload.buffer
-        probe = next(iter(sends.values()), self.compressor.compress(flat[:0]).buffer)
-        received = transport.exchange(
-            _OP, probe, sends, sorted(weights), any_first_dim=True, codec=self.codec
-        )
-        pull = torch.zeros_like(flat)
+        return mine, sends
+
+    def _combine(
+        self,
+        flat: torch.Tensor,
+        index: int,
+        mine: list[tuple],
+        received: dict[int, torch.Tensor],
+        weights: dict[int, float],
+    ) -> torch.Tensor:
+        """Update the in-neighbours' copies with what arrived; the new value (out of place)."""
+        pull = torch.zeros_like(flat) if not weights else None
         for src, w in weights.items():
             replica = self._copy(index, ("in", src), flat)
             buffer = received[src].contiguous()
             replica.add_(self.compressor.decompress(Payload(buffer, flat.shape, flat.dtype)))
-            pull.add_(replica, alpha=w)
-        own = sum(self._copy(index, key, flat) for key in mine) / max(len(mine), 1)
+            pull = torch.mul(replica, w) if pull is None else pull.add_(replica, alpha=w)
+        copies = [self._copy(index, key, flat) for key in mine]
+        own = copies[0] if len(copies) == 1 else sum(copies) / max(len(copies), 1)
         pull.sub_(own, alpha=sum(weights.values()))
-        return flat.add_(pull, alpha=self.bucket_gamma(index)).view_as(x)
+        return torch.add(flat, pull, alpha=self.bucket_gamma(index))
+
+    def _round(
+        self, x: torch.Tensor, index: int, dsts: list[int], weights: dict[int, float], edged: bool
+    ) -> torch.Tensor:
+        flat = x.reshape(-1)
+        mine, sends = self._encode(flat, index, dsts, edged)
+        probe = next(iter(sends.values()), self.compressor.compress(flat[:0]).buffer)
+        received = transport.exchange(
+            _OP, probe, sends, sorted(weights), any_first_dim=True, codec=self.codec
+        )
+        return self._combine(flat, index, mine, received, weights).view_as(x)
+
+    def _post(
+        self,
+        flat: torch.Tensor,
+        index: int,
+        dsts: list[int],
+        weights: dict[int, float],
+        edged: bool,
+    ) -> Pending:
+        """The round posted from the caller's thread (fixed-size payloads, float on gloo).
+
+        Compression runs here; the exchange is :func:`gossamer.transport.post_exchange`,
+        whose first round per bucket checks the payload layout (and the codec) across ranks.
+        """
+        mine, sends = self._encode(flat, index, dsts, edged)
+        nbytes = self.compressor.payload_nbytes(flat.numel(), flat.dtype)
+        receives = {}
+        for slot, src in enumerate(sorted(weights)):
+            buffer = self._receive_buffers.get((index, slot))
+            if buffer is None or buffer.numel() != nbytes:
+                buffer = self._receive_buffers[index, slot] = torch.empty(nbytes, dtype=torch.uint8)
+            receives[src] = buffer
+        probe = torch.empty(nbytes, dtype=torch.uint8)
+        check = self._checked.get(index) != nbytes
+        self._checked[index] = nbytes
+        exchange = transport.post_exchange(
+            _OP, probe, sends, receives, key=index, check=check, codec=self.codec
+        )
+        return Deferred(lambda: self._combine(flat, index, mine, exchange.wait(), weights))
 
     def state_dict(self) -> dict:
         """Rounds, schedule position, the compressor's state and every public copy."""

@@ -301,8 +301,11 @@ def check_same_call(
     *,
     any_first_dim: bool = False,
     rejection: str | None = None,
+    codec: int = 0,
 ) -> list[tuple[int, ...]]:
     """Check that every rank of ``group`` made the same call; return every rank's shape.
+
+    ``codec`` names the compressor of a compressed payload (checked like the dtype).
 
     With ``rejection`` (a reason), this rank takes part in a call whose arguments it
     rejected: ``tensor`` is ignored, every other rank raises, and this one returns ``[]``.
@@ -314,7 +317,7 @@ def check_same_call(
     if rejection is not None:
         mine = rejected_header(op, rejection).encode()
     else:
-        mine = Header.of(op, tensor, aux=aux).encode()
+        mine = Header.of(op, tensor, aux=aux, codec=codec).encode()
     size = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     with timeline.record(op, "communicating"):

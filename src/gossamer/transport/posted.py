@@ -21,6 +21,7 @@ On more than one machine the two directions of a pair travel on two groups, as i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from gossamer import context
 from gossamer.profiling import count_collective, count_sent, timeline
+from gossamer.transport import staging
 from gossamer.transport.failures import is_backend_error, lost_error, translate, wait_works
 from gossamer.transport.liveness import get_liveness
 from gossamer.transport.p2p import MAX_CHUNKS, check_same_call, post_chunks
@@ -61,7 +63,7 @@ def can_post(tensor: torch.Tensor) -> bool:
     return (
         context.backend() == "gloo"
         and context.size() > 1
-        and tensor.device.type == "cpu"
+        and not staging.needs_staging(tensor)  # a device tensor takes the staged path
         and tensor.dtype in _FLOATS
         and tensor.is_contiguous()
     )
@@ -121,14 +123,23 @@ def post_allreduce(op: str, tensor: torch.Tensor, *, check: bool) -> Posted:
 class PostedExchange:
     """A posted exchange in flight; :meth:`wait` returns the received tensors by source."""
 
-    def __init__(self, op: str, works: list, received: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self, op: str, works: list, received: dict[int, torch.Tensor], end_span: Callable
+    ) -> None:
         self._op, self._works, self._received = op, works, received
+        self._end_span: Callable | None = end_span
 
     def wait(self) -> dict[int, torch.Tensor]:
-        """Wait for every send and receive of the round."""
-        if self._works:
-            works, self._works = self._works, []
-            wait_works(self._op, works)
+        """Wait for every send and receive of the round.
+
+        gloo's point-to-point work has no future to end the timeline's span on completion,
+        so the span ``communicating`` lasts until this wait returns.
+        """
+        works, self._works = self._works, []
+        wait_works(self._op, works)
+        if self._end_span is not None:
+            end, self._end_span = self._end_span, None
+            end()
         return self._received
 
 
@@ -140,6 +151,7 @@ def post_exchange(
     *,
     key: int,
     check: bool,
+    codec: int = 0,
 ) -> PostedExchange:
     """Start sending ``sends[d]`` to every ``d`` and receiving into ``receives[s]``.
 
@@ -147,7 +159,8 @@ def post_exchange(
     and receives must not change until :meth:`PostedExchange.wait` returned, and every
     peer must post the same ``key`` (a bucket index) for the same round. ``check``: first
     check, with a call header over every rank (blocking), that all ranks post ``tensor``'s
-    dtype and size under ``key``; callers check once per bucket, then post without.
+    dtype and size under ``key`` and the same ``codec`` (a compressor's id, for compressed
+    payloads); callers check once per bucket, then post without.
 
     Raises:
         PeerError: ``check`` found that ranks posted different tensors.
@@ -156,7 +169,7 @@ def post_exchange(
     live = _check_live(op)
     group, reverse = _group(), _reverse_group()
     if check:
-        check_same_call(op, tensor, group, aux=key)
+        check_same_call(op, tensor, group, aux=key, codec=codec)
     end_span = timeline.begin(op, "communicating")
     sent = [(d, as_bytes(t)) for d, t in sends.items()]
     received = [(s, as_bytes(t)) for s, t in receives.items()]
@@ -166,7 +179,5 @@ def post_exchange(
         if not is_backend_error(err):
             raise
         raise translate(op, -1, err, live) from err
-    if works and timeline.timeline_enabled():
-        torch.futures.collect_all([w.get_future() for _, w in works]).then(lambda _: end_span())
     count_sent(op, sum(t.nbytes for _, t in sent))
-    return PostedExchange(op, works, receives)
+    return PostedExchange(op, works, receives, end_span)
