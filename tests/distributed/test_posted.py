@@ -1,5 +1,6 @@
 """Posted rounds (transport.posted) of the allreduce and neighbour communicators."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from gossamer import topology as topo
 from gossamer.errors import PeerError
 from gossamer.testing import run_distributed
 from gossamer.transport import posted
-from oracle import data
+from oracle import data, mix
 
 # Buckets that are posted (float32, float64; the last one travels in chunks between
 # machines) and one that takes the communication thread (float16).
@@ -100,7 +101,7 @@ def _ring_steps(rank, n):
 def _schedule(kind, rank, n):
     if kind == "one-peer":
         return topo.one_peer_exponential(topo.exponential_two(n), rank)
-    return _ring_steps(rank, n)
+    return _ring_steps(rank, n) if kind == "scaled-ring" else None
 
 
 def _neighbour_rounds(kind):
@@ -109,7 +110,9 @@ def _neighbour_rounds(kind):
     posted.check_same_call = lambda *a, **k: checks.append(a[1].numel()) or check_same_call(*a, **k)
     try:
         rank, n = gossamer.rank(), gossamer.size()
-        comm = communicators.NeighborAllreduce(schedule=_schedule(kind, rank, n))
+        schedule = _schedule(kind, rank, n)
+        graph = topo.exponential_two(n) if schedule is None else None
+        comm = communicators.NeighborAllreduce(graph, schedule=schedule)
         results = []
         for r in range(ROUNDS):
             comm.next_round()
@@ -120,22 +123,32 @@ def _neighbour_rounds(kind):
         posted.check_same_call = check_same_call
 
 
+def _matrix(kind, n, schedules):
+    """This round's full weight matrix: W[j, i] is what rank i takes of rank j's value."""
+    if kind == "static":
+        return np.asarray(topo.exponential_two(n).weights, dtype=np.float64)
+    steps = [next(s) for s in schedules]
+    w = np.diag([s.self_weight for s in steps])
+    for i, step in enumerate(steps):
+        for j, weight in step.src_weights.items():
+            w[j, i] += weight * steps[j].dst_weights[i]
+    return w
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("kind", ["one-peer", "scaled-ring"])
+@pytest.mark.parametrize("kind", ["one-peer", "scaled-ring", "static"])
 @pytest.mark.parametrize("machines", MACHINES)
 def test_neighbour_rounds_mix_like_the_weight_matrix_in_one_process(world_size, kind, machines):
     out = run_distributed(_neighbour_rounds, world_size, args=(kind,), env=MACHINES[machines])
     schedules = [_schedule(kind, k, world_size) for k in range(world_size)]
     for r in range(ROUNDS):
-        steps = [next(s) for s in schedules]
+        w = _matrix(kind, world_size, schedules)
         inputs = [_inputs(k, r) for k in range(world_size)]
         for i, (_, dtype) in enumerate(LAYOUT):
+            want = mix(w, [x[i] for x in inputs])
             for k, (results, _) in enumerate(out):
-                want = steps[k].self_weight * inputs[k][i].double()
-                for j, w in steps[k].src_weights.items():
-                    want = want + w * steps[j].dst_weights[k] * inputs[j][i].double()
                 got = results[r][i]
                 assert got.dtype == dtype
-                torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-3)
+                torch.testing.assert_close(got.double(), want[k], rtol=1e-3, atol=1e-3)
     for _, checks in out:
         assert checks == POSTED  # the posted buckets' layouts, in their first round only

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from gossamer import context, ops, transport
-from gossamer.combine import scaled_copies, weighted_sum
+from gossamer.combine import is_uniform, scaled_copies, weighted_sum
 from gossamer.communicators.base import Communicator, Deferred, Pending, check_topology
 from gossamer.errors import PeerError, TopologyError
 from gossamer.fusion import Bucket
@@ -139,10 +139,10 @@ class NeighborAllreduce(Scheduled):
                 check_topology=bool(self.check_topology) and self.dst_weights is not None,
                 async_op=True,
             )
+        if transport.can_post(flat) and not self.check_topology:
+            return self._post(flat, index, *self._plan())
         if self.step is None:
             return ops.neighbor_allreduce(flat, topology=self.topology, async_op=True)
-        if transport.can_post(flat) and not self.check_topology:
-            return self._post(flat, index, self.step)
         return ops.neighbor_allreduce(
             flat,
             self_weight=self.step.self_weight,
@@ -151,10 +151,38 @@ class NeighborAllreduce(Scheduled):
             async_op=True,
         )
 
-    def _post(self, flat: torch.Tensor, index: int, step: Step) -> Pending:
-        """This round posted from the caller's thread (:func:`gossamer.transport.post_exchange`)."""
+    def _plan(self) -> tuple[float, dict[int, float], list[int], dict[int, float]]:
+        """This round's (self weight, receive weights, sources, send scales)."""
+        if self.step is not None:
+            step = self.step
+            return (
+                step.self_weight,
+                dict(step.src_weights),
+                list(step.recv_ranks),
+                dict(step.dst_weights),
+            )
+        graph = ops.get_topology() if self.topology is None else self.topology
+        me = context.rank()
+        self_weight, weights = graph.recv_weights(me)
+        sources = list(graph.in_neighbors(me))
+        return self_weight, dict(weights), sources, dict.fromkeys(graph.out_neighbors(me), 1.0)
+
+    def _post(
+        self,
+        flat: torch.Tensor,
+        index: int,
+        self_weight: float,
+        weights: dict[int, float],
+        sources: list[int],
+        dsts: dict[int, float],
+    ) -> Pending:
+        """This round posted from the caller's thread (:func:`gossamer.transport.post_exchange`).
+
+        The combine is :func:`gossamer.neighbor_allreduce`'s: uniform weights sum first,
+        then divide.
+        """
         receives = {}
-        for slot, source in enumerate(step.recv_ranks):
+        for slot, source in enumerate(sources):
             buffer = self._receive_buffers.get((index, slot))
             if buffer is None or buffer.dtype != flat.dtype or buffer.numel() != flat.numel():
                 buffer = self._receive_buffers[index, slot] = torch.empty_like(flat)
@@ -162,11 +190,10 @@ class NeighborAllreduce(Scheduled):
         layout = (flat.dtype, flat.numel())
         check = self._checked.get(index) != layout
         self._checked[index] = layout
-        sends = scaled_copies(flat, step.dst_weights)
+        sends = scaled_copies(flat, dsts)
         exchange = transport.post_exchange(self.name, flat, sends, receives, key=index, check=check)
-        return Deferred(
-            lambda: weighted_sum(flat, step.self_weight, exchange.wait(), step.src_weights)
-        )
+        mix = None if is_uniform(self_weight, weights, sources) else weights
+        return Deferred(lambda: weighted_sum(flat, self_weight, exchange.wait(), mix))
 
 
 # (id of the topology, dead set) -> (the topology, kept alive for its id; the result)

@@ -8,9 +8,10 @@ interpreter. A bucket allreduce whose layout was checked once is therefore *post
 instead: ``dist.all_reduce(..., async_op=True)`` straight from the backward hook, on a
 group that only posted allreduces use, so their order is the caller's and cannot interleave
 with the communication thread's. gloo's own threads move the bytes (torch DDP's reducer
-does the same). The wait translates gloo's errors like every other wait
-(:func:`~gossamer.transport.failures.wait_works`); a rank that dies closes its connections,
-so the wait fails with :class:`~gossamer.errors.RankLostError` rather than hanging.
+does the same). The *wait* runs on the communication thread, under its stall watchdog, and
+translates gloo's errors like every other wait
+(:func:`~gossamer.transport.failures.wait_works`): a dead rank, even one this rank does not
+talk to, fails it with :class:`~gossamer.errors.RankLostError` within seconds.
 
 Neighbour rounds of a fixed bucket are posted the same way (:func:`post_exchange`): after
 the first round's check, each round posts its chunked receives and sends at once, with the
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from gossamer import context
 from gossamer.profiling import count_collective, count_sent, timeline
 from gossamer.transport import staging
+from gossamer.transport.engine import submit
 from gossamer.transport.failures import is_backend_error, lost_error, translate, wait_works
 from gossamer.transport.liveness import get_liveness
 from gossamer.transport.p2p import MAX_CHUNKS, check_same_call, post_chunks
@@ -79,9 +81,20 @@ class Posted:
         """Wait for gloo; divide the sum by the world size (once)."""
         if self._work is not None:
             work, self._work = self._work, None
-            wait_works(self._op, [(-1, work)])
+            _wait(self._op, [(-1, work)])
             self._tensor.div_(self._size)
         return self._tensor
+
+
+def _wait(op: str, works: list) -> None:
+    """Wait for posted work on the communication thread, under its stall watchdog.
+
+    The watchdog fails the wait at once when a rank died, also one this rank does not talk
+    to (its neighbours stopped, so what they would send never comes); a wait on the
+    caller's thread would last until gloo's deadline.
+    """
+    if works:
+        submit(op, lambda: wait_works(op, works)).wait()
 
 
 def _check_live(op: str):
@@ -136,7 +149,7 @@ class PostedExchange:
         so the span ``communicating`` lasts until this wait returns.
         """
         works, self._works = self._works, []
-        wait_works(self._op, works)
+        _wait(self._op, works)
         if self._end_span is not None:
             end, self._end_span = self._end_span, None
             end()
