@@ -33,6 +33,7 @@ from gossamer.profiling import count_collective, count_sent, timeline
 from gossamer.transport import staging
 from gossamer.transport.engine import submit
 from gossamer.transport.failures import is_backend_error, lost_error, translate, wait_works
+from gossamer.transport.handle import Handle
 from gossamer.transport.liveness import get_liveness
 from gossamer.transport.p2p import MAX_CHUNKS, check_same_call, post_chunks
 from gossamer.transport.payload import as_bytes
@@ -71,30 +72,37 @@ def can_post(tensor: torch.Tensor) -> bool:
     )
 
 
+def _waiter(op: str, works: list, end_span: Callable[[], None]) -> Handle:
+    """Queue the wait for posted work on the communication thread, at once.
+
+    The thread blocks in gloo (without the interpreter lock) while the caller computes,
+    and its stall watchdog fails the wait when any rank died, also one this rank does not
+    talk to (its neighbours stopped, so what they would send never comes); a wait on the
+    caller's thread would last until gloo's deadline. The timeline's span ends here, when
+    the work completed (gloo's point-to-point work has no completion callback).
+    """
+
+    def wait() -> None:
+        wait_works(op, works)
+        end_span()
+
+    return submit(op, wait)
+
+
 class Posted:
     """A posted allreduce in flight; :meth:`wait` returns the averaged tensor."""
 
-    def __init__(self, op: str, work: dist.Work, tensor: torch.Tensor, size: int) -> None:
-        self._op, self._work, self._tensor, self._size = op, work, tensor, size
+    def __init__(self, waiter: Handle, tensor: torch.Tensor, size: int) -> None:
+        self._waiter: Handle | None = waiter
+        self._tensor, self._size = tensor, size
 
     def wait(self) -> torch.Tensor:
         """Wait for gloo; divide the sum by the world size (once)."""
-        if self._work is not None:
-            work, self._work = self._work, None
-            _wait(self._op, [(-1, work)])
+        if self._waiter is not None:
+            waiter, self._waiter = self._waiter, None
+            waiter.wait()
             self._tensor.div_(self._size)
         return self._tensor
-
-
-def _wait(op: str, works: list) -> None:
-    """Wait for posted work on the communication thread, under its stall watchdog.
-
-    The watchdog fails the wait at once when a rank died, also one this rank does not talk
-    to (its neighbours stopped, so what they would send never comes); a wait on the
-    caller's thread would last until gloo's deadline.
-    """
-    if works:
-        submit(op, lambda: wait_works(op, works)).wait()
 
 
 def _check_live(op: str):
@@ -126,33 +134,20 @@ def post_allreduce(op: str, tensor: torch.Tensor, *, check: bool) -> Posted:
         if not is_backend_error(err):
             raise
         raise translate(op, -1, err, live) from err
-    if timeline.timeline_enabled():  # the span ends when gloo completes the work
-        work.get_future().then(lambda _: end_span())
     size = dist.get_world_size(group)
     count_collective(op, "all_reduce", tensor.nbytes, size)
-    return Posted(op, work, tensor, size)
+    return Posted(_waiter(op, [(-1, work)], end_span), tensor, size)
 
 
 class PostedExchange:
     """A posted exchange in flight; :meth:`wait` returns the received tensors by source."""
 
-    def __init__(
-        self, op: str, works: list, received: dict[int, torch.Tensor], end_span: Callable
-    ) -> None:
-        self._op, self._works, self._received = op, works, received
-        self._end_span: Callable | None = end_span
+    def __init__(self, waiter: Handle, received: dict[int, torch.Tensor]) -> None:
+        self._waiter, self._received = waiter, received
 
     def wait(self) -> dict[int, torch.Tensor]:
-        """Wait for every send and receive of the round.
-
-        gloo's point-to-point work has no future to end the timeline's span on completion,
-        so the span ``communicating`` lasts until this wait returns.
-        """
-        works, self._works = self._works, []
-        _wait(self._op, works)
-        if self._end_span is not None:
-            end, self._end_span = self._end_span, None
-            end()
+        """Wait for every send and receive of the round."""
+        self._waiter.wait()
         return self._received
 
 
@@ -193,4 +188,4 @@ def post_exchange(
             raise
         raise translate(op, -1, err, live) from err
     count_sent(op, sum(t.nbytes for _, t in sent))
-    return PostedExchange(op, works, receives, end_span)
+    return PostedExchange(_waiter(op, works, end_span), receives)
