@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,22 +44,22 @@ __all__ = ["Posted", "PostedExchange", "can_post", "post_allreduce", "post_excha
 _FLOATS = (torch.float32, torch.float64)  # summed by gloo as they are (no widening)
 
 
-def _group() -> dist.ProcessGroup:
-    """The world group of posted allreduces; created, collectively, on first use."""
+def _new_group(name: str) -> dist.ProcessGroup:
+    """A gloo group over the world, ``name``'d on the runtime; created, collectively, once."""
     timeout = timedelta(seconds=context.timeout())
     return context.runtime().component(
-        "posted_group", lambda: dist.new_group(backend="gloo", timeout=timeout)
+        name, lambda: dist.new_group(backend="gloo", timeout=timeout)
     )
+
+
+def _group() -> dist.ProcessGroup:
+    """The group of posted allreduces, and of posted exchanges from lower to higher rank."""
+    return _new_group("posted_group")
 
 
 def _reverse_group() -> dist.ProcessGroup | None:
     """The second group of posted exchanges (higher to lower rank); None on one machine."""
-    if context.reverse_group() is None:
-        return None
-    timeout = timedelta(seconds=context.timeout())
-    return context.runtime().component(
-        "posted_reverse_group", lambda: dist.new_group(backend="gloo", timeout=timeout)
-    )
+    return None if context.reverse_group() is None else _new_group("posted_reverse_group")
 
 
 def can_post(tensor: torch.Tensor) -> bool:
@@ -105,6 +106,16 @@ class Posted:
         return self._tensor
 
 
+def _posting(op: str, live, post: Callable[[], Any]) -> Any:
+    """``post()``, with gloo's error (raised at once on a broken connection) translated."""
+    try:
+        return post()
+    except RuntimeError as err:
+        if not is_backend_error(err):
+            raise
+        raise translate(op, -1, err, live) from err
+
+
 def _check_live(op: str):
     live = get_liveness()
     if live is not None and live.lost:
@@ -128,12 +139,7 @@ def post_allreduce(op: str, tensor: torch.Tensor, *, check: bool) -> Posted:
     if check:
         check_same_call(op, tensor, group)
     end_span = timeline.begin(op, "communicating")
-    try:
-        work = dist.all_reduce(tensor, group=group, async_op=True)
-    except RuntimeError as err:  # gloo raises at once when a connection already broke
-        if not is_backend_error(err):
-            raise
-        raise translate(op, -1, err, live) from err
+    work = _posting(op, live, lambda: dist.all_reduce(tensor, group=group, async_op=True))
     size = dist.get_world_size(group)
     count_collective(op, "all_reduce", tensor.nbytes, size)
     return Posted(_waiter(op, [(-1, work)], end_span), tensor, size)
@@ -181,11 +187,8 @@ def post_exchange(
     end_span = timeline.begin(op, "communicating")
     sent = [(d, as_bytes(t)) for d, t in sends.items()]
     received = [(s, as_bytes(t)) for s, t in receives.items()]
-    try:
-        works = post_chunks(sent, received, group, key * MAX_CHUNKS, reverse=reverse)
-    except RuntimeError as err:  # gloo raises at once when a connection already broke
-        if not is_backend_error(err):
-            raise
-        raise translate(op, -1, err, live) from err
+    works = _posting(
+        op, live, lambda: post_chunks(sent, received, group, key * MAX_CHUNKS, reverse=reverse)
+    )
     count_sent(op, sum(t.nbytes for _, t in sent))
     return PostedExchange(_waiter(op, works, end_span), receives)
