@@ -20,7 +20,7 @@ from gossamer.errors import TopologyError
 from gossamer.fusion import Bucket
 from gossamer.topology import Topology
 
-__all__ = ["Communicator", "Deferred", "Pending", "check_topology"]
+__all__ = ["Communicator", "Deferred", "Pending", "PostedState", "check_topology"]
 
 
 class Pending(Protocol):
@@ -47,6 +47,31 @@ class Deferred:
             compute, self._compute = self._compute, None
             self._value = compute()
         return self._value
+
+
+class PostedState:
+    """What a communicator's posted rounds keep per bucket (see ``transport.posted``).
+
+    Receive buffers by source slot (reused every round), and the layout each bucket's
+    first round checked across ranks (checked again only if it changes).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._checked: dict[int, object] = {}
+
+    def buffer(self, index: int, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The receive buffer of bucket ``index``'s ``slot``-th source."""
+        found = self._buffers.get((index, slot))
+        if found is None or found.dtype != dtype or found.numel() != numel:
+            found = self._buffers[index, slot] = torch.empty(numel, dtype=dtype)
+        return found
+
+    def needs_check(self, index: int, layout: object) -> bool:
+        """Whether bucket ``index``'s round must check ``layout`` (first time, or changed)."""
+        check = self._checked.get(index) != layout
+        self._checked[index] = layout
+        return check
 
 
 def check_topology(topology: object) -> Topology | None:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from gossamer import transport
-from gossamer.communicators.base import Deferred, Pending, check_topology
+from gossamer.communicators.base import Deferred, Pending, PostedState, check_topology
 from gossamer.communicators.compressed import codec_id, rank_compressor
 from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, Payload, compression_quality, get_compressor
@@ -162,9 +162,7 @@ class ChocoGossip(Scheduled):
         self.copies: dict[int, dict[tuple, torch.Tensor]] = {}
         self._ranked = False
         self._use_rank_streams()
-        # Posted rounds: receive buffers per (bucket, source slot), payload sizes checked.
-        self._receive_buffers: dict[tuple[int, int], torch.Tensor] = {}
-        self._checked: dict[int, int] = {}
+        self._posted = PostedState()
 
     def _use_rank_streams(self) -> None:
         """Give the compressor this rank's random stream (see ``for_rank``), once known."""
@@ -263,15 +261,12 @@ class ChocoGossip(Scheduled):
         """
         mine, sends = self._encode(flat, index, dsts, edged)
         nbytes = self.compressor.payload_nbytes(flat.numel(), flat.dtype)
-        receives = {}
-        for slot, src in enumerate(sorted(weights)):
-            buffer = self._receive_buffers.get((index, slot))
-            if buffer is None or buffer.numel() != nbytes:
-                buffer = self._receive_buffers[index, slot] = torch.empty(nbytes, dtype=torch.uint8)
-            receives[src] = buffer
+        receives = {
+            src: self._posted.buffer(index, slot, nbytes, torch.uint8)
+            for slot, src in enumerate(sorted(weights))
+        }
         probe = torch.empty(nbytes, dtype=torch.uint8)
-        check = self._checked.get(index) != nbytes
-        self._checked[index] = nbytes
+        check = self._posted.needs_check(index, nbytes)
         exchange = transport.post_exchange(
             _OP, probe, sends, receives, key=index, check=check, codec=self.codec
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gossamer import ops, transport
-from gossamer.communicators.base import Communicator, Pending
+from gossamer.communicators.base import Communicator, Pending, PostedState
 
 __all__ = ["Allreduce", "NoCommunication"]
 
@@ -31,20 +31,14 @@ class Allreduce(Communicator):
         if not isinstance(in_place, bool):
             raise TypeError(f"in_place must be a bool; got {in_place!r}")
         self.in_place = in_place
-        self._buffers: dict[int, torch.Tensor] = {}  # the copies posted when not in place
-        self._checked: dict[int, tuple[torch.dtype, int]] = {}  # layout checked per bucket
+        self._posted = PostedState()  # slot 0: the copy posted when not in place
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         if not transport.can_post(flat):
             return ops.allreduce(flat, async_op=True)
         if not self.in_place:
-            buffer = self._buffers.get(index)
-            if buffer is None or buffer.dtype != flat.dtype or buffer.numel() != flat.numel():
-                buffer = self._buffers[index] = torch.empty_like(flat)
-            flat = buffer.copy_(flat)
-        layout = (flat.dtype, flat.numel())
-        check = self._checked.get(index) != layout
-        self._checked[index] = layout
+            flat = self._posted.buffer(index, 0, flat.numel(), flat.dtype).copy_(flat)
+        check = self._posted.needs_check(index, (flat.dtype, flat.numel()))
         return transport.post_allreduce("allreduce", flat, check=check)
 
 

@@ -12,7 +12,13 @@ import torch
 
 from gossamer import context, ops, transport
 from gossamer.combine import is_uniform, scaled_copies, weighted_sum
-from gossamer.communicators.base import Communicator, Deferred, Pending, check_topology
+from gossamer.communicators.base import (
+    Communicator,
+    Deferred,
+    Pending,
+    PostedState,
+    check_topology,
+)
 from gossamer.errors import PeerError, TopologyError
 from gossamer.fusion import Bucket
 from gossamer.topology import Step, Topology, drop_dead
@@ -104,10 +110,7 @@ class NeighborAllreduce(Scheduled):
         self.src_weights: Mapping[int, float] | None = None
         self.dst_weights: Mapping[int, float] | Sequence[int] | None = None
         self.check_topology = False
-        # Posted rounds (dynamic schedules on gloo): receive buffers per (bucket, source
-        # slot), and the bucket layouts checked across ranks.
-        self._receive_buffers: dict[tuple[int, int], torch.Tensor] = {}
-        self._checked: dict[int, tuple[torch.dtype, int]] = {}
+        self._posted = PostedState()
 
     def bind(self, buckets: Sequence[Bucket]) -> None:
         """Check the topology against the world when the optimizer is built.
@@ -181,15 +184,11 @@ class NeighborAllreduce(Scheduled):
         The combine is :func:`gossamer.neighbor_allreduce`'s: uniform weights sum first,
         then divide.
         """
-        receives = {}
-        for slot, source in enumerate(sources):
-            buffer = self._receive_buffers.get((index, slot))
-            if buffer is None or buffer.dtype != flat.dtype or buffer.numel() != flat.numel():
-                buffer = self._receive_buffers[index, slot] = torch.empty_like(flat)
-            receives[source] = buffer
-        layout = (flat.dtype, flat.numel())
-        check = self._checked.get(index) != layout
-        self._checked[index] = layout
+        receives = {
+            s: self._posted.buffer(index, slot, flat.numel(), flat.dtype)
+            for slot, s in enumerate(sources)
+        }
+        check = self._posted.needs_check(index, (flat.dtype, flat.numel()))
         sends = scaled_copies(flat, dsts)
         exchange = transport.post_exchange(self.name, flat, sends, receives, key=index, check=check)
         mix = None if is_uniform(self_weight, weights, sources) else weights
