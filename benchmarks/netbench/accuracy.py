@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gossamer
+from benchmarks.netbench.runner import job_arguments
 from benchmarks.netbench.worker import param_bytes, release, wrap
 from gossamer.data import load_digits
 from gossamer.models import MLP
@@ -100,7 +101,7 @@ def train(strategy: str, data, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     """Train every strategy in turn and write rank 0's rows to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    job_arguments(parser)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--depth", type=int, default=2)
@@ -109,8 +110,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--target", type=float, default=0.95)
-    parser.add_argument("--interface", default="eth0", help="unused; the runner passes it")
-    parser.add_argument("--meta", default="{}", help="JSON merged into every row")
     args = parser.parse_args(argv)
     gossamer.init()
     torch.set_num_threads(1)

@@ -7,6 +7,7 @@ namespace, with the static rendezvous at host 0's address and gloo bound to the 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -17,6 +18,14 @@ import time
 from pathlib import Path
 
 from benchmarks.netbench.cluster import Cluster, format_rate
+
+
+def job_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add what :func:`run_job` passes every job module: ``--out``, ``--interface``, ``--meta``."""
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--interface", default="eth0", help="the host's interface (counters)")
+    parser.add_argument("--meta", default="{}", help="JSON merged into every row")
+
 
 __all__ = ["REPO", "run_job"]
 

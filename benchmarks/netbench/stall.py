@@ -35,16 +35,15 @@ def rank_main(argv: list[str]) -> None:
     import torch
 
     import gossamer
+    from benchmarks.netbench.runner import job_arguments
     from benchmarks.netbench.worker import MODELS
     from gossamer import context, optim, topology
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    job_arguments(parser)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--kill-at", type=int, default=6)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--interface", default="eth0", help="unused; the runner passes it")
-    parser.add_argument("--meta", default="{}", help="JSON merged into every row")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     gossamer.init()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gossamer
+from benchmarks.netbench.runner import job_arguments
 from gossamer import communicators, optim
 from gossamer import topology as topo
 from gossamer.models import MLP, SmallResNet
@@ -439,15 +440,13 @@ def measure(model_name: str, strategy: str, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     """Measure every (model, strategy) ``reps`` times and write the rows to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    job_arguments(parser)
     parser.add_argument("--models", default="mlp")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--interface", default="eth0")
-    parser.add_argument("--meta", default="{}", help="JSON merged into every row")
     args = parser.parse_args(argv)
     gossamer.init()
     torch.set_num_threads(1)
