@@ -4,6 +4,7 @@ Each test starts real torchrun agents and ranks through the launcher; a rank SIG
 itself (no clean-up, as a crash or an OOM kill would).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -67,6 +68,36 @@ RESUME = textwrap.dedent(r"""
     gossamer.shutdown()
 """)
 
+# --elastic with restarts: rank 3 dies at step 3 and the other three train on, saving the
+# survivors' checkpoints (steps 4, 6, ...); rank 2 dies at step 7, which leaves fewer than
+# --min-ranks 3, so every rank restarts and resumes the newest checkpoint of survivors,
+# from their average. Each rank writes what it starts from.
+ELASTIC_RESTART = textwrap.dedent(r"""
+    import os, signal, torch
+    import gossamer
+    from gossamer import checkpoint, optim, topology
+    gossamer.init()
+    rank, size = gossamer.rank(), gossamer.size()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(4, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = optim.AdaptWithCombine(sgd, model, topology=topology.ring(size), elastic=True)
+    auto = checkpoint.AutoResume(model, opt, keep=10)
+    torch.save(model.state_dict(), f"start{rank}.{attempt}.pt")
+    os.write(1, f"rank {rank} attempt {attempt} starts at step {auto.steps}\n".encode())
+    for step in range(auto.steps, 10):
+        if attempt == "0" and (rank, step) in ((3, 3), (2, 7)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = torch.randn(8, 4)
+        opt.zero_grad()
+        (model(x) - x.sum(1, keepdim=True)).pow(2).mean().backward()
+        opt.step()
+        auto.after_step()
+    opt.synchronize()
+    gossamer.shutdown()
+""")
+
 
 def _gossamer(args, cwd, script, timeout=600):
     (cwd / "job.py").write_text(script)
@@ -109,3 +140,27 @@ def test_a_restart_resumes_from_the_newest_checkpoint_exactly(tmp_path):
         got = torch.load(killed / f"final{rank}.pt")
         want = torch.load(whole / f"final{rank}.pt")
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), rank
+
+
+@pytest.mark.timeout(600)
+def test_elastic_survivors_checkpoint_and_a_restart_resumes_their_average(tmp_path):
+    options = ["--elastic", "--min-ranks", "3", "--max-restarts", "1"]
+    options += ["--checkpoint-dir", "ck", "--checkpoint-every", "2"]
+    done = _gossamer(["-np", "4", *options, "job.py"], tmp_path, ELASTIC_RESTART)
+    assert done.returncode == 0, done.stdout + done.stderr
+    starts = [line for line in done.stdout.splitlines() if " attempt 1 starts at " in line]
+    assert len(starts) == 4, done.stdout
+    step = int(starts[0].rsplit(" ", 1)[1])
+    assert all(line.endswith(f" step {step}") for line in starts), starts
+    # Saved after rank 3's death (step 4 on): the survivors' average; step 8 when ranks 0
+    # and 1 saved it before their agent stopped them.
+    assert step in (6, 8), starts
+    newest = tmp_path / "ck" / f"step{step:08d}"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["ranks"] == ([0, 1, 2] if step == 6 else [0, 1]), manifest
+    saved = [torch.load(newest / f["file"])["model"] for f in manifest["files"]]
+    for rank in range(4):
+        start = torch.load(tmp_path / f"start{rank}.1.pt")
+        for key, value in start.items():
+            want = torch.stack([s[key].double() for s in saved]).mean(0).float()
+            torch.testing.assert_close(value, want)

@@ -48,7 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "optim": {"communicators", "windows", "ops", "transport", "context", "errors"}
     | {"topology", "fusion", "profiling", "compression"},
-    "checkpoint": {"optim", "ops", "context", "errors", "env"},
+    "checkpoint": {"optim", "ops", "transport", "context", "errors", "env"},
     "launcher": {"env", "errors"},
     "testing": {"context", "env", "errors"},
     "bluefog": _LEAVES | _CORE | {"profiling", "checkpoint", "root"},

@@ -40,6 +40,7 @@ from gossamer.checkpoint._files import (
     RECORD,
     CheckpointError,
     exchange,
+    is_complete,
     read_rank_file,
     shared_manifest,
     write_manifest,
@@ -47,6 +48,7 @@ from gossamer.checkpoint._files import (
 )
 from gossamer.checkpoint._resize import averaged_payload
 from gossamer.checkpoint._state import capture, check_fit, check_plain, set_rng
+from gossamer.checkpoint._survivors import survivors_exchange, survivors_publish
 from gossamer.errors import NotInitializedError
 from gossamer.optim.base import DecentralizedOptimizer
 
@@ -62,6 +64,8 @@ def save(
 ) -> Path:
     """Write this rank's state to ``path/rank<k>.pt``; rank 0 then writes the manifest.
 
+    (After a death in an elastic job: the lowest live rank writes it.)
+
     Collective: every rank calls it between two steps (after ``step()``, before the next
     forward pass). It starts with a barrier, so no put or accumulate of an asynchronous
     optimizer is in flight while the window slots are read. Saved per rank: the model's
@@ -70,6 +74,14 @@ def save(
     and push-sum weight its next steps depend on), the random generators of torch, Python
     and NumPy (dropout, shuffling), and ``extra``. Works without ``gossamer.init()`` in a
     single process.
+
+    With an elastic optimizer (``elastic=True``) the save outlives dead ranks: it needs no
+    collective over the world, the ranks exchange their records through the rendezvous
+    store, and the manifest lists the files of the live ranks only (its ``ranks``). Such a
+    checkpoint of the survivors resumes with ``load(..., resize=True)``, from their
+    average. A rank that dies during the save is waited for until its heartbeat stops
+    (:data:`~gossamer.transport.liveness.DEAD_AFTER_S`, or at once with the launcher's
+    tombstone), then left out.
 
     Args:
         path (str | os.PathLike): the checkpoint directory (created if needed). Ranks on
@@ -91,7 +103,8 @@ def save(
             raises its own error). No manifest is written then.
     """
     rank, size = _world()
-    if size > 1:
+    survivors = size > 1 and _is_elastic(optimizer)
+    if size > 1 and not survivors:
         ops.barrier()
     error: Exception | None = None
     record = [0] * RECORD
@@ -102,17 +115,21 @@ def save(
         check_plain(extra, "extra")
         payload = capture(rank, size, models, single, optimizer, extra)
         directory.mkdir(parents=True, exist_ok=True)
-        if rank == 0:
+        if rank == 0 or survivors:  # survivors: the manifest's writer is not known yet
             # Until the new manifest lands, the directory is not a checkpoint at all.
             (directory / MANIFEST).unlink(missing_ok=True)
         record = write_rank_file(directory, rank, payload)
     except Exception as err:
         error = err
-    records = exchange(rank, size, error, record, "save")
+    if survivors:
+        records = survivors_exchange(rank, error, record, "save")
+        survivors_publish(rank, list(records), lambda: write_manifest(directory, records, size))
+        return directory
+    records = dict(enumerate(exchange(rank, size, error, record, "save")))
     error = None
     if rank == 0:
         try:
-            write_manifest(directory, records)
+            write_manifest(directory, records, size)
         except Exception as err:
             error = err
     exchange(rank, size, error, [], "writing the manifest")
@@ -147,7 +164,9 @@ def load(
             saved rank 0's step counter and ``extra``; the communication state stays as the
             new optimizer built it and the generators are not restored. Not exact (no
             mapping of ``n`` models onto ``m`` ranks is); rank 0 must be able to read every
-            saved rank's file. With the same number of ranks it changes nothing.
+            saved rank's file. With the same number of ranks it changes nothing. A
+            checkpoint of the survivors of a death (elastic) needs it: its ``n`` are the
+            survivors.
 
     Returns:
         the ``extra`` given to :func:`save` (saved rank 0's after a resize).
@@ -155,8 +174,9 @@ def load(
     Raises:
         TypeError: a bad ``path``, ``model`` or ``optimizer``.
         FileNotFoundError: ``path`` is not a directory.
-        ValueError: the checkpoint was written by another number of ranks and ``resize``
-            is False, or it does not fit the model or optimizer.
+        ValueError: the checkpoint was written by another number of ranks, or by the
+            survivors of a death, and ``resize`` is False, or it does not fit the model or
+            optimizer.
         CheckpointError: no manifest (an interrupted save), a file that does not match it,
             or another rank failed.
     """
@@ -178,7 +198,7 @@ def load(
     try:
         # Collective, so every rank takes part even when its own arguments were bad.
         manifest = shared_manifest(rank, size, directory)
-        resized = resize and manifest["world_size"] != size
+        resized = resize and (manifest["world_size"] != size or not is_complete(manifest))
         if resized:
             payload = averaged_payload(directory, manifest, rank, size)  # collective too
         elif error is None and directory is not None:
@@ -232,6 +252,13 @@ def _models(model: object) -> tuple[list[nn.Module], bool]:
     if not models or not all(isinstance(m, nn.Module) for m in models):
         raise TypeError(f"model must be an nn.Module or a sequence of them; got {model!r}")
     return models, False
+
+
+def _is_elastic(optimizer: object) -> bool:
+    """Whether the optimizer's rounds outlive dead peers (then so must its checkpoints)."""
+    if not isinstance(optimizer, DecentralizedOptimizer):
+        return False
+    return getattr(optimizer.communicator, "elastic", False) is True
 
 
 def _check_optimizer(optimizer: object, what: str) -> None:

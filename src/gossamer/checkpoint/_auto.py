@@ -29,6 +29,7 @@ from torch import nn
 from gossamer import context, env, ops
 from gossamer.checkpoint._files import MANIFEST
 from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.transport import live_ranks
 
 __all__ = ["AutoResume"]
 
@@ -147,20 +148,33 @@ class AutoResume:
         self.steps, self.extra, self.resumed_from = saved["steps"], saved["extra"], path
 
     def _prune(self, newest: Path) -> None:
-        """Delete this rank's files of all but the ``keep`` newest checkpoints."""
+        """Delete this rank's files of all but the ``keep`` newest checkpoints.
+
+        The lowest live rank also deletes the manifest first (from then on the directory
+        is no checkpoint at all) and the files of dead ranks, which cannot.
+        """
         assert self.directory is not None
         old = sorted(_checkpoints(self.directory, complete=False))[: -self.keep]
-        rank = context.rank() if context.is_initialized() else 0
+        rank, size, live = _live()
+        lowest = rank == live[0]
+        owners = [rank, *(r for r in range(size) if lowest and r not in live)]
         for step in old:
             path = self.directory / f"step{step:08d}"
             if path == newest:
                 continue
-            # The manifest first: from then on the directory is no checkpoint at all.
-            if rank == 0:
+            if lowest:
                 (path / MANIFEST).unlink(missing_ok=True)
-            (path / f"rank{rank}.pt").unlink(missing_ok=True)
+            for owner in owners:
+                (path / f"rank{owner}.pt").unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 path.rmdir()  # the last rank to delete its file removes the directory
+
+
+def _live() -> tuple[int, int, list[int]]:
+    """This rank, the world size and the live ranks (all, unless an elastic job lost some)."""
+    if not context.is_initialized() or context.size() == 1:
+        return 0, 1, [0]
+    return context.rank(), context.size(), live_ranks()
 
 
 def _checkpoints(directory: Path, *, complete: bool) -> list[int]:

@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointError",
     "exchange",
     "from_rank0",
+    "is_complete",
     "read_rank_file",
     "read_saved",
     "shared_manifest",
@@ -98,8 +99,12 @@ def _version() -> str:
         return "unknown"
 
 
-def write_manifest(directory: Path, records: list[list[int]]) -> None:
-    """Write the manifest of the rank files that ``records`` (in rank order) describe."""
+def write_manifest(directory: Path, records: dict[int, list[int]], world_size: int) -> None:
+    """Write the manifest of the rank files that ``records`` (rank: record) describe.
+
+    ``world_size`` is the job's; after a death (an elastic save) ``records`` holds the
+    survivors only, and the manifest's ``ranks`` says which ranks the checkpoint has.
+    """
     files = [
         {
             "rank": rank,
@@ -108,7 +113,7 @@ def write_manifest(directory: Path, records: list[list[int]]) -> None:
             "sha256": struct.pack("<4q", *digest).hex(),
             "step": None if step < 0 else step,
         }
-        for rank, (step, nbytes, *digest) in enumerate(records)
+        for rank, (step, nbytes, *digest) in sorted(records.items())
     ]
     manifest = {
         "format": FORMAT,
@@ -116,12 +121,17 @@ def write_manifest(directory: Path, records: list[list[int]]) -> None:
         "gossamer_version": _version(),
         "torch_version": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "world_size": len(files),
-        "ranks": list(range(len(files))),
+        "world_size": world_size,
+        "ranks": [entry["rank"] for entry in files],
         "step": files[0]["step"],
         "files": files,
     }
     write_atomically(directory / MANIFEST, json.dumps(manifest, indent=2).encode())
+
+
+def is_complete(manifest: dict) -> bool:
+    """Whether the checkpoint holds every rank of its job (not only the survivors)."""
+    return manifest["ranks"] == list(range(manifest["world_size"]))
 
 
 def read_manifest(directory: Path) -> dict:
@@ -186,6 +196,11 @@ def from_rank0(rank: int, size: int, produce: Callable[[], bytes], what: str) ->
 def read_rank_file(directory: Path, manifest: dict, rank: int, size: int) -> dict:
     """This rank's payload, once its file is found to match ``manifest``."""
     saved = manifest["world_size"]
+    if not is_complete(manifest):
+        raise ValueError(
+            f"path {str(directory)!r} holds the state of ranks {manifest['ranks']} of a job "
+            f"of {saved} (the survivors of a death): resume it with resize=True"
+        )
     if saved != size:
         raise ValueError(
             f"path {str(directory)!r} holds a checkpoint of world size {saved}; this job has "
@@ -196,7 +211,7 @@ def read_rank_file(directory: Path, manifest: dict, rank: int, size: int) -> dic
 
 def read_saved(directory: Path, manifest: dict, rank: int) -> dict:
     """Saved rank ``rank``'s payload, once its file is found to match ``manifest``."""
-    entry = manifest["files"][rank]
+    entry = next(e for e in manifest["files"] if e["rank"] == rank)
     path = directory / entry["file"]
     if not path.is_file():
         raise CheckpointError(f"{path} is missing (listed in {MANIFEST})")

@@ -39,7 +39,7 @@ def averaged_payload(directory: Path, manifest: dict, rank: int, size: int) -> d
     """
 
     def average() -> bytes:
-        payloads = [read_saved(directory, manifest, k) for k in range(manifest["world_size"])]
+        payloads = [read_saved(directory, manifest, k) for k in manifest["ranks"]]
         buffer = io.BytesIO()
         torch.save(_resized(payloads), buffer)
         return buffer.getvalue()

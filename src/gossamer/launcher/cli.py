@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         # The ranks inherit the launcher's environment; gossamer.checkpoint.autoresume reads it.
         os.environ[CHECKPOINT_DIR] = os.path.abspath(args.checkpoint_dir)
         os.environ[CHECKPOINT_EVERY] = str(args.checkpoint_every)
+        if args.elastic:
+            # The survivors' checkpoints hold fewer ranks: a restart resumes their average.
+            os.environ[CHECKPOINT_RESIZE] = "1"
     if args.network_interface:
         os.environ["GLOO_SOCKET_IFNAME"] = args.network_interface
         os.environ["NCCL_SOCKET_IFNAME"] = args.network_interface
