@@ -48,7 +48,7 @@ from gossamer.checkpoint._files import (
 )
 from gossamer.checkpoint._resize import averaged_payload
 from gossamer.checkpoint._state import capture, check_fit, check_plain, set_rng
-from gossamer.checkpoint._survivors import survivors_exchange, survivors_publish
+from gossamer.checkpoint._survivors import survivors_save
 from gossamer.errors import NotInitializedError
 from gossamer.optim.base import DecentralizedOptimizer
 
@@ -122,8 +122,7 @@ def save(
     except Exception as err:
         error = err
     if survivors:
-        records = survivors_exchange(rank, error, record, "save")
-        survivors_publish(rank, list(records), lambda: write_manifest(directory, records, size))
+        survivors_save(error, record, lambda records: write_manifest(directory, records, size))
         return directory
     records = dict(enumerate(exchange(rank, size, error, record, "save")))
     error = None

@@ -8,7 +8,9 @@ checks (:mod:`~gossamer.transport.p2p`), errors that name the peer or the dead r
 survivors agree on (:mod:`~gossamer.transport.membership`), argument checks at the public
 boundary (:mod:`~gossamer.transport.checks`), bucket allreduces and exchanges posted from
 the caller's thread (:mod:`~gossamer.transport.posted`), rejected calls that peers learn of
-at once (:mod:`~gossamer.transport.rejection`), and device tensors staged
+at once (:mod:`~gossamer.transport.rejection`), agreement among the live ranks through the
+store where collectives cannot run (:mod:`~gossamer.transport.survivors`), and device
+tensors staged
 through host memory on gloo (:mod:`~gossamer.transport.staging`). ``gossamer.ops`` and
 ``gossamer.windows`` stand on it.
 """
@@ -63,6 +65,7 @@ from gossamer.transport.staging import (
     to_device,
     to_host,
 )
+from gossamer.transport.survivors import gather_live, lead
 
 # Every rank's heartbeat starts at init, so a rank that dies before its first operation is
 # still seen to die.
@@ -95,11 +98,13 @@ __all__ = [
     "exchange_surviving",
     "find_lost",
     "from_bytes",
+    "gather_live",
     "gather_reasons",
     "get_liveness",
     "get_membership",
     "group_rank",
     "group_size",
+    "lead",
     "live_ranks",
     "membership_epoch",
     "lost_error",
