@@ -2,6 +2,7 @@
 
     python -m benchmarks.elastic_digits                 # seeds 0 and 1 (~4 jobs)
     python -m benchmarks.elastic_digits --seeds 0 1 2 --steps 145
+    python -m benchmarks.elastic_digits --optimizer push_sum   # elastic windows
 
 Run from the repository root. For every seed it runs ``examples/elastic_digits.py`` twice
 through the launcher:
@@ -44,9 +45,9 @@ def _job(np_: int, options: list[str], args: list[str], out: Path) -> tuple[int,
     return done.returncode, done.stdout + done.stderr, time.time() - start
 
 
-def run_seed(seed: int, steps: int, out: Path) -> dict:
+def run_seed(seed: int, steps: int, out: Path, optimizer: str = "atc") -> dict:
     """The killed 4-rank run and the 3-rank reference of one seed."""
-    common = ["--seed", str(seed), "--steps", str(steps)]
+    common = ["--seed", str(seed), "--steps", str(steps), "--optimizer", optimizer]
     code_k, text_k, wall_k = _job(4, ["--elastic"], common, out / f"killed{seed}")
     code_r, text_r, wall_r = _job(3, [], [*common, "--no-kill"], out / f"ref{seed}")
     code_4, text_4, _ = _job(4, [], [*common, "--no-kill"], out / f"four{seed}")
@@ -99,11 +100,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=145, help="total steps of every run")
     parser.add_argument("--out", type=Path, default=Path("results/elastic_digits"))
+    parser.add_argument(
+        "--optimizer", choices=["atc", "push_sum", "win_put"], default="atc", help="elastic"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for seed in args.seeds:
-        rows.append(run_seed(seed, args.steps, args.out))
+        rows.append(run_seed(seed, args.steps, args.out, args.optimizer))
         print(table(rows[-1:]).splitlines()[2], flush=True)
     text = table(rows)
     print(text)

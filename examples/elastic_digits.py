@@ -4,11 +4,13 @@ Run::
 
     gossamer run -np 4 --elastic examples/elastic_digits.py
     gossamer run -np 6 --elastic examples/elastic_digits.py --victim 3 --kill-at 0.5
+    gossamer run -np 4 --elastic examples/elastic_digits.py --optimizer push_sum
     python examples/elastic_digits.py     # the same: it starts `gossamer run --elastic`
 
 Every rank trains :class:`gossamer.models.SmallCNN` on its shard of scikit-learn's bundled
 digits (the loader of ``train_digits.py``) with adapt-then-combine over
-``exponential_two(n)`` and ``elastic=True``. At ``--kill-at`` of the run the victim rank
+``exponential_two(n)`` and ``elastic=True`` (``--optimizer push_sum`` or ``win_put``: the
+asynchronous optimizers over elastic windows instead). At ``--kill-at`` of the run the victim rank
 SIGKILLs itself (no clean-up, as a crash or an OOM kill would). Its neighbours' next
 exchange with it fails, the heartbeats confirm the death, the survivors agree on the new
 live set through the rendezvous store (membership epoch 1), and they go on averaging over
@@ -72,7 +74,8 @@ def train(args: argparse.Namespace) -> None:
 
     model = make_model(args.seed)  # the same seed: one starting point on every rank
     base = torch.optim.Adam(model.parameters(), lr=args.lr)
-    opt = optim.AdaptThenCombine(base, model, topology=topo.exponential_two(size), elastic=True)
+    kind = {"atc": optim.AdaptThenCombine, "push_sum": optim.PushSum, "win_put": optim.WindowPut}
+    opt = kind[args.optimizer](base, model, topology=topo.exponential_two(size), elastic=True)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(base, total)
     loss_fn = nn.CrossEntropyLoss()
     changes: list[dict] = []
@@ -130,13 +133,15 @@ def report(histories: list[dict], store, args: argparse.Namespace, kill_step: in
         done = h["step_done"]
         gaps = [(b - a, b) for a, b in itertools.pairwise(done)]
         before = [g for g, b in gaps if b < killed_at]
-        stall = max(g for g, b in gaps if b > killed_at)
-        learned = h["changes"][0]["t"] if h["changes"] else float("nan")
+        stall = max((g for g, b in gaps if b > killed_at), default=float("nan"))
+        # An asynchronous rank that never sent to the victim may finish before it hears.
+        learned = h["changes"][0]["t"] if h["changes"] else killed_at
+        heard = f"{learned - killed_at:.2f} s after the kill" if h["changes"] else "never"
         # the first step that completes once this rank trains among the survivors only
-        resumed = next(t for t in done if t >= learned)
+        resumed = next((t for t in done if t >= learned), float("nan"))
         print(
-            f"rank {h['rank']}: learned of the death {learned - killed_at:.2f} s after the "
-            f"kill; next completed step {resumed - killed_at:.2f} s after the kill; longest "
+            f"rank {h['rank']}: learned of the death {heard}; next completed step "
+            f"{resumed - killed_at:.2f} s after the kill; longest "
             f"step after the kill {stall:.2f} s (median before it "
             f"{1000 * statistics.median(before):.0f} ms); final test accuracy "
             f"{100 * h['acc'][-1][2]:.2f}%"
@@ -186,6 +191,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the PNG")
     parser.add_argument("--no-kill", action="store_true", help="nobody dies (a reference)")
+    parser.add_argument(
+        "--optimizer", choices=["atc", "push_sum", "win_put"], default="atc", help="elastic"
+    )
     args = parser.parse_args()
     launched = "RANK" in os.environ
     size = int(os.environ["WORLD_SIZE"]) if launched else args.world_size

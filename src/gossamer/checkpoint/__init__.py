@@ -48,7 +48,7 @@ from gossamer.checkpoint._files import (
 )
 from gossamer.checkpoint._resize import averaged_payload
 from gossamer.checkpoint._state import capture, check_fit, check_plain, set_rng
-from gossamer.checkpoint._survivors import survivors_save
+from gossamer.checkpoint._survivors import survivors_begin, survivors_save
 from gossamer.errors import NotInitializedError
 from gossamer.optim.base import DecentralizedOptimizer
 
@@ -76,12 +76,12 @@ def save(
     single process.
 
     With an elastic optimizer (``elastic=True``) the save outlives dead ranks: it needs no
-    collective over the world, the ranks exchange their records through the rendezvous
-    store, and the manifest lists the files of the live ranks only (its ``ranks``). Such a
-    checkpoint of the survivors resumes with ``load(..., resize=True)``, from their
-    average. A rank that dies during the save is waited for until its heartbeat stops
-    (:data:`~gossamer.transport.liveness.DEAD_AFTER_S`, or at once with the launcher's
-    tombstone), then left out.
+    collective over the world, the barrier and the exchange of the ranks' records go
+    through the rendezvous store among the live ranks, and the manifest lists the files of
+    the live ranks only (its ``ranks``). Such a checkpoint of the survivors resumes with
+    ``load(..., resize=True)``, from their average. A rank that dies during the save is
+    waited for until its heartbeat stops (:data:`~gossamer.transport.liveness.DEAD_AFTER_S`,
+    or at once with the launcher's tombstone), then left out.
 
     Args:
         path (str | os.PathLike): the checkpoint directory (created if needed). Ranks on
@@ -104,7 +104,9 @@ def save(
     """
     rank, size = _world()
     survivors = size > 1 and _is_elastic(optimizer)
-    if size > 1 and not survivors:
+    if survivors:
+        key = survivors_begin()
+    elif size > 1:
         ops.barrier()
     error: Exception | None = None
     record = [0] * RECORD
@@ -122,7 +124,7 @@ def save(
     except Exception as err:
         error = err
     if survivors:
-        survivors_save(error, record, lambda records: write_manifest(directory, records, size))
+        survivors_save(key, error, record, lambda records: write_manifest(directory, records, size))
         return directory
     records = dict(enumerate(exchange(rank, size, error, record, "save")))
     error = None

@@ -18,19 +18,25 @@ from gossamer import context
 from gossamer.checkpoint._files import CheckpointError
 from gossamer.transport import gather_live, lead
 
-__all__ = ["survivors_save"]
+__all__ = ["survivors_begin", "survivors_save"]
+
+
+def survivors_begin() -> str:
+    """A barrier among the live ranks (no put of theirs is in flight); return the save's key."""
+    counter = context.runtime().component("checkpoint.saves", itertools.count)
+    key = f"checkpoint/{next(counter)}"
+    gather_live(f"{key}/begin", 0)
+    return key
 
 
 def survivors_save(
-    error: Exception | None, record: list[int], write_manifest: Callable[[dict], None]
+    key: str, error: Exception | None, record: list[int], write_manifest: Callable[[dict], None]
 ) -> None:
     """Exchange the records among the live ranks, then have one write the manifest.
 
     Raises:
         CheckpointError: a live rank failed to write its file, or the manifest failed.
     """
-    counter = context.runtime().component("checkpoint.saves", itertools.count)
-    key = f"checkpoint/{next(counter)}"
     entries = gather_live(key, {"failed": error is not None, "record": record})
     if error is not None:
         raise error

@@ -8,6 +8,14 @@ r"""Asynchronous patterns over one-sided windows: no rank waits for another's co
   share :math:`1/(d_i+1)` of :math:`(x_i, p_i)` to each of its :math:`d_i` out-neighbours
   and adds what it received. Mass is conserved, so on any strongly connected directed graph
   the :math:`z_i = x_i / p_i` reach consensus.
+
+With ``elastic=True`` both outlive dead ranks (the windows are elastic,
+:meth:`~gossamer.windows.Window.create`): a round skips the ranks the survivors agreed are
+dead. Push-sum then pushes shares :math:`1/(d_i' + 1)` over its :math:`d_i'` live
+out-neighbours, which keeps every column stochastic among the survivors (the dead rank's
+mass, and what was pushed to it, is lost; :math:`z` stays a weighted average of the
+survivors' values). Win-put combines with the weights of
+:meth:`Topology.without(dead) <gossamer.topology.Topology.without>`.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, get_compressor
 from gossamer.fusion import Bucket
 from gossamer.topology import Step, Topology
-from gossamer.transport import Handle
+from gossamer.transport import Handle, known_dead
 from gossamer.windows import Window
 
 __all__ = ["PushSumGossip", "WindowPutGossip"]
@@ -43,13 +51,18 @@ class _WindowGossip(Scheduled):
         *,
         schedule: Iterator[Step] | None = None,
         prefix: str | None = None,
+        elastic: bool = False,
     ) -> None:
         super().__init__(schedule=schedule)
         check_topology(topology)
+        if not isinstance(elastic, bool):
+            raise TypeError(f"elastic must be a bool; got {elastic!r}")
         self.topology = topology
         self.prefix = prefix
+        self.elastic = elastic
         self.windows: list[Window] = []
         self.dst_weights: dict[int, float] | None = None
+        self.dead: frozenset[int] = frozenset()  # as of this round's start (elastic)
 
     def bind(self, buckets: Sequence[Bucket]) -> None:
         """Create one window per bucket (collective)."""
@@ -64,22 +77,30 @@ class _WindowGossip(Scheduled):
                 push_sum=self.push_sum,
                 name=f"{prefix}.{i}",
                 topology=self.topology,
+                elastic=self.elastic,
             )
             for i, b in enumerate(buckets)
         ]
 
     def destinations(self, window: Window, share: float = 1.0) -> dict[int, float]:
-        """This round's ``{destination: weight}`` (explicit, scheduled, or every out-neighbour)."""
+        """This round's ``{destination: weight}`` (explicit, scheduled, or every out-neighbour).
+
+        Dead destinations are left out (elastic).
+        """
         if self.dst_weights is not None:
-            return {d: w * share for d, w in self.dst_weights.items()}
-        if self.step is None:
-            return dict.fromkeys(window.out_neighbors, share)
-        return {d: w * share for d, w in self.step.dst_weights.items()}
+            weights = self.dst_weights
+        elif self.step is None:
+            weights = dict.fromkeys(window.out_neighbors, 1.0)
+        else:
+            weights = self.step.dst_weights
+        return {d: w * share for d, w in weights.items() if d not in self.dead}
 
     def start(self, flat: torch.Tensor, index: int = 0) -> Pending | None:
         """This round on bucket ``index`` (window rounds have no global-average variant)."""
         if context.size() == 1:
             return None
+        if self.elastic:
+            self.dead = known_dead()
         return self._start(flat, index)
 
     def state_dict(self) -> dict:
@@ -172,10 +193,17 @@ class WindowPutGossip(_WindowGossip):
         prefix: str | None = None,
         compression: str | Compressor | None = None,
         gamma: float | None = None,
+        elastic: bool = False,
     ) -> None:
-        super().__init__(topology, schedule=schedule, prefix=prefix)
+        super().__init__(topology, schedule=schedule, prefix=prefix, elastic=elastic)
         compressor = get_compressor(compression)
         self.compression: Compressor | None = None if compressor.name == "none" else compressor
+        if elastic and (self.compression is not None or schedule is not None):
+            raise ValueError(
+                "WindowPutGossip: elastic=True is built for uncompressed win-put over a static "
+                f"topology; got compression={compressor.name!r}, schedule={schedule!r}"
+            )
+        self._survivors: tuple[frozenset[int], tuple] = (frozenset(), (None, None))
         if gamma is None:
             gamma = default_gamma(compressor)
         if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not 0 < gamma <= 1:
@@ -202,15 +230,27 @@ class WindowPutGossip(_WindowGossip):
             dst_weights=self.destinations(window), async_op=True, compression=self.compression
         )
         corrected = self.compression is not None and self.step is None and not self.dst_weights
-        return _PutRound(put, window, self.gamma if corrected else None)
+        return _PutRound(put, window, self.gamma if corrected else None, self._weights(window))
+
+    def _weights(self, window: Window) -> tuple:
+        """``(self_weight, src_weights)`` of the combine: the topology's without the dead."""
+        if not self.dead:
+            return None, None
+        if self._survivors[0] != self.dead:
+            me = context.rank()
+            self._survivors = (self.dead, window.topology.without(self.dead).recv_weights(me))
+        return self._survivors[1]
 
 
 class _PutRound(Deferred):
     """A put in flight: :meth:`sent` waits for it alone, ``wait()`` also combines."""
 
-    def __init__(self, put: Handle, window: Window, gamma: float | None = None) -> None:
+    def __init__(
+        self, put: Handle, window: Window, gamma: float | None = None, weights: tuple = (None, None)
+    ) -> None:
         self.put = put
         self.gamma = gamma  # None: the plain combine
+        self.weights = weights  # (self_weight, src_weights); None: the window topology's
         super().__init__(lambda: self._combine(window))
 
     def sent(self) -> None:
@@ -220,7 +260,10 @@ class _PutRound(Deferred):
     def _combine(self, window: Window) -> torch.Tensor:
         self.put.wait()
         if self.gamma is None:
-            return window.update(require_mutex=True)
+            self_weight, src_weights = self.weights
+            return window.update(
+                self_weight=self_weight, src_weights=src_weights, require_mutex=True
+            )
         x = window.tensor.detach().clone()
         out = window.update(require_mutex=True)
         copies = list(window.sent_copies().values())

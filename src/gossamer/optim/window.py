@@ -56,21 +56,20 @@ class _OverWindows:
                 "(an error-feedback residual holds back mass, which push-sum must conserve); "
                 "use WindowPut, or AdaptWithCombine with compression= (CHOCO-gossip)"
             )
-        if kwargs.pop("elastic", False):
-            raise ValueError(
-                f"{type(self).__name__}: elastic=True is not built for window optimizers "
-                "(window creation and free are collective over every rank); use "
-                "AdaptWithCombine or AdaptThenCombine with elastic=True"
-            )
+        elastic = kwargs.pop("elastic", False)
+        if not isinstance(elastic, bool):
+            raise TypeError(f"{type(self).__name__}: elastic must be a bool; got {elastic!r}")
         if communication not in (None, "neighbor_allreduce"):
             raise ValueError(
                 f"{type(self).__name__} communicates through windows; communication must be "
                 f"'neighbor_allreduce'; got {communication!r}"
             )
         if self.gossip is WindowPutGossip:
-            gossip = WindowPutGossip(topology, schedule=schedule, compression=compression)
+            gossip = WindowPutGossip(
+                topology, schedule=schedule, compression=compression, elastic=elastic
+            )
         else:
-            gossip = self.gossip(topology, schedule=schedule)
+            gossip = self.gossip(topology, schedule=schedule, elastic=elastic)
         super().__init__(optimizer, model, communicator=gossip, **kwargs)  # type: ignore[call-arg]
 
     @property
@@ -94,6 +93,10 @@ class WindowPut(_OverWindows, AdaptWithCombine):
         compression (str | Compressor, optional): compress the puts: each sends the
             compressed change of the copy its destination holds (``"uint8"``,
             ``"topk:0.1"``, ...; see :meth:`gossamer.windows.Window.put`).
+        elastic (bool): train on when ranks die: puts skip the dead and the combine uses
+            :meth:`Topology.without(dead) <gossamer.topology.Topology.without>`'s weights
+            (uncompressed, static topology only); :meth:`free` is collective over the
+            live ranks.
         **kwargs: ``num_steps_per_communication``, ``fusion_threshold_bytes``.
 
     Example:
@@ -152,14 +155,14 @@ class WindowAdaptThenCombine(_OverWindows, AdaptThenCombine):
     :math:`b_j` is the latest :math:`\psi_j` that neighbour j put. No rank waits for
     another's compute. The rules of :class:`~gossamer.optim.AdaptThenCombine` for
     ``overlap=``, ``send_order=``, gradient accumulation and :meth:`no_sync` apply; exact
-    diffusion and ``elastic=True`` are not built for windows.
+    diffusion is not built for windows; ``elastic=True`` is as for :class:`WindowPut`.
 
     :class:`WindowPut` (BlueFog's win-put) is the adapt-with-combine form: it puts
     :math:`x_t` before forward and combines at ``step()``.
 
     Args:
         optimizer, model: as for every decentralized optimizer.
-        topology, schedule, communication, compression: as for :class:`WindowPut`.
+        topology, schedule, communication, compression, elastic: as for :class:`WindowPut`.
         **kwargs: ``overlap``, ``send_order``, ``num_steps_per_communication``,
             ``fusion_threshold_bytes``.
 
@@ -207,6 +210,10 @@ class PushSum(_OverWindows, BucketwiseOptimizer):
     accumulation, :meth:`no_sync` and gradients changed after ``backward()`` apply);
     :meth:`step` steps and pushes the buckets backward did not complete, then collects
     what arrived into every bucket. ``overlap=False`` does all of it in :meth:`step`.
+
+    With ``elastic=True`` it trains on when ranks die: each round pushes shares over the
+    live out-neighbours only (a static topology or a schedule); see
+    :class:`~gossamer.communicators.PushSumGossip`.
 
     Example:
         >>> opt = PushSum(torch.optim.SGD(model.parameters(), lr=0.1), model)

@@ -65,7 +65,7 @@ from gossamer.transport.staging import (
     to_device,
     to_host,
 )
-from gossamer.transport.survivors import gather_live, lead
+from gossamer.transport.survivors import gather_live, known_dead, lead
 
 # Every rank's heartbeat starts at init, so a rank that dies before its first operation is
 # still seen to die.
@@ -102,6 +102,7 @@ __all__ = [
     "gather_reasons",
     "get_liveness",
     "get_membership",
+    "known_dead",
     "group_rank",
     "group_size",
     "lead",

@@ -9,6 +9,8 @@ through the store instead:
   (its heartbeat stopped, or the launcher's tombstone) is reported to the membership and no
   longer awaited; a value already in the store counts even if its writer died since, so
   every survivor ends with the same values.
+- :func:`known_dead`: the agreed dead set, after reporting the ranks this rank's heartbeat
+  reader has found lost, so that what one rank's operations skip, every survivor learns.
 - :func:`lead`: the lowest living rank of a given set runs an action and posts its outcome;
   the others wait for it. If that rank dies first, the next lowest living one acts.
 
@@ -27,7 +29,7 @@ from gossamer.errors import CommunicationTimeout
 from gossamer.transport.liveness import get_liveness
 from gossamer.transport.membership import get_membership
 
-__all__ = ["gather_live", "lead"]
+__all__ = ["gather_live", "known_dead", "lead"]
 
 _PREFIX = "gossamer/live/"
 _POLL_S = 0.05
@@ -45,6 +47,15 @@ def _store() -> object:
     if runtime.store is None:
         raise CommunicationTimeout("agreement among the live ranks needs a rendezvous store")
     return runtime.component("transport.survivors", lambda: _Client(runtime.store)).store
+
+
+def known_dead() -> frozenset[int]:
+    """The dead ranks as agreed, once those found lost here are reported (one store read)."""
+    membership, liveness = get_membership(), get_liveness()
+    if liveness is not None and not liveness.lost <= membership.dead:
+        membership.report(liveness.lost)
+    membership.refresh()
+    return membership.dead
 
 
 def gather_live(key: str, value: object) -> dict[int, object]:

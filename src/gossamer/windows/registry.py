@@ -38,22 +38,26 @@ class Registry:
         self._group: dist.ProcessGroup | None = None
         self._ids = itertools.count(1)
         self._client: ThreadPoolExecutor | None = None
-        # Operations in flight: future -> (what, when it started), for the loss watchdog.
-        self._inflight: dict[concurrent.futures.Future, tuple[str, float]] = {}
+        # Operations in flight: future -> (what, when it started, the peers whose loss
+        # fails it or None for any), for the loss watchdog.
+        self._inflight: dict[concurrent.futures.Future, tuple[str, float, set[int] | None]] = {}
         self._inflight_lock = threading.Lock()
         live = get_liveness() if context.size() > 1 else None
         if live is not None:
             live.on_beat(self._fail_if_lost)
 
-    def watch(self, what: str, done: concurrent.futures.Future) -> None:
+    def watch(
+        self, what: str, done: concurrent.futures.Future, peers: set[int] | None = None
+    ) -> None:
         """Fail ``done`` with RankLostError if it stalls while a rank is found lost.
 
         A put to a dead rank may never be answered and its connection may never report an
         error (gloo's receive from any source does not notice one peer's closure), so the
-        heartbeat thread does what the engine's watchdog does for operations.
+        heartbeat thread does what the engine's watchdog does for operations. With
+        ``peers``, only the loss of one of them fails it (an elastic window's request).
         """
         with self._inflight_lock:
-            self._inflight[done] = (what, time.monotonic())
+            self._inflight[done] = (what, time.monotonic(), peers)
 
         def forget(future: concurrent.futures.Future) -> None:
             with self._inflight_lock:
@@ -64,15 +68,17 @@ class Registry:
     def _fail_if_lost(self, live: Liveness) -> None:
         now = time.monotonic()
         with self._inflight_lock:
-            stalled = [(f, w) for f, (w, t) in self._inflight.items() if now - t >= STALL_S]
+            stalled = [(f, w, p) for f, (w, t, p) in self._inflight.items() if now - t >= STALL_S]
         if not stalled:
             return
         lost = live.check()
         if not lost:
             return
-        for future, what in stalled:
-            with contextlib.suppress(concurrent.futures.InvalidStateError):  # completed
-                future.set_exception(lost_error(what, lost))
+        for future, what, peers in stalled:
+            hit = lost if peers is None else lost & peers
+            if hit:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):  # completed
+                    future.set_exception(lost_error(what, hit))
 
     def names(self) -> list[str]:
         """Names of the live windows, sorted."""
@@ -92,11 +98,11 @@ class Registry:
             self.service = Service(self._group)
         return self.service
 
-    def stop_service_if_idle(self) -> None:
-        """Stop the service (collective) once it serves no window."""
+    def stop_service_if_idle(self, ring: list[int] | None = None) -> None:
+        """Stop the service (collective over ``ring``, default all) once it serves no window."""
         if self.service is not None and not self.service.windows:
             service, self.service = self.service, None
-            service.stop()
+            service.stop(ring)
 
     def client(self) -> ThreadPoolExecutor:
         """The one thread that posts this rank's window requests, in call order."""

@@ -8,12 +8,20 @@ are all in flight at once (and later operations may be posted before they comple
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable
 
 from gossamer import context
 from gossamer.errors import CommunicationTimeout, PeerArgumentError, PeerError, RankLostError
-from gossamer.transport import Handle, find_lost, get_liveness, lost_error
+from gossamer.transport import (
+    Handle,
+    find_lost,
+    get_liveness,
+    get_membership,
+    known_dead,
+    lost_error,
+)
 from gossamer.windows.locks import remote_locks
 from gossamer.windows.registry import registry
 from gossamer.windows.service import WindowState
@@ -50,14 +58,29 @@ def _settle(done: concurrent.futures.Future, error: BaseException | None = None)
         pass
 
 
-def _when_all(what: str, posted: list, finish, done: concurrent.futures.Future) -> None:
-    """Complete ``done`` (after ``finish``) once every posted request is answered."""
+def _when_all(
+    what: str, posted: list, finish, done: concurrent.futures.Future, elastic: bool = False
+) -> None:
+    """Complete ``done`` (after ``finish``) once every posted request is answered.
+
+    ``elastic``: a request whose peer was lost counts as answered (it is dropped).
+    """
     left = [len(posted)]
-    keep = [sends for _, sends in posted]  # the send buffers must outlive the sends
+    keep = [sends for _, _, sends in posted]  # the send buffers must outlive the sends
     lock = threading.Lock()  # callbacks run on the progress thread or, if done, right here
 
-    def one(future: concurrent.futures.Future) -> None:
+    def complete() -> None:
+        keep.clear()
+        try:
+            finish()
+            _settle(done)
+        except BaseException as err:
+            _settle(done, err)
+
+    def answered(peer: int, future: concurrent.futures.Future) -> None:
         error = future.exception()
+        if error is not None and elastic and _lost_peer(peer, error):
+            error = None
         with lock:
             if done.done():
                 return
@@ -67,15 +90,43 @@ def _when_all(what: str, posted: list, finish, done: concurrent.futures.Future) 
             left[0] -= 1
             last = left[0] == 0
         if last:
-            keep.clear()
-            try:
-                finish()
-                _settle(done)
-            except BaseException as err:
-                _settle(done, err)
+            complete()
 
-    for future, _ in posted:
-        future.add_done_callback(one)
+    if not posted:  # every peer was found dead while posting
+        complete()
+    for peer, future, _ in posted:
+        future.add_done_callback(functools.partial(answered, peer))
+
+
+def _lost_peer(peer: int, error: BaseException) -> bool:
+    """Whether ``error`` of a request to ``peer`` is ``peer``'s death (then reported)."""
+    if isinstance(error, RankLostError):
+        lost = set(error.ranks)
+    elif isinstance(error, PeerError | CommunicationTimeout):
+        lost = find_lost()
+    else:
+        return False
+    if peer not in lost:
+        return False
+    get_membership().report({peer})
+    return True
+
+
+def _post_surviving(svc, state: WindowState, requests: list) -> list:
+    """Post the requests to live peers; a peer found dead on the way is dropped."""
+    posted = []
+    for peer, kind, payload, value, codec in requests:
+        try:
+            future, sends = svc.request(
+                kind, peer, state.wid, payload=payload, value=value, codec=codec
+            )
+        except PeerError as err:
+            if _lost_peer(peer, err):
+                continue
+            raise
+        registry().watch(f"window request to rank {peer}", future, peers={peer})
+        posted.append((peer, future, sends))
+    return posted
 
 
 def issue(
@@ -86,10 +137,22 @@ def issue(
     finish: Callable[[], None],
     async_op: bool,
 ) -> Handle | None:
-    """Send ``requests`` ``(peer, kind, payload, value[, codec])``; ``finish`` once all land."""
+    """Send ``requests`` ``(peer, kind, payload, value[, codec])``; ``finish`` once all land.
+
+    On an elastic window (without ``require_mutex``) requests to dead peers are not sent,
+    and a peer that dies before answering is dropped from the operation instead of failing
+    it (the death is reported to the membership).
+    """
     done: concurrent.futures.Future = concurrent.futures.Future()
     windows = registry()
     requests = [(*r, 0) if len(r) == 4 else r for r in requests]
+    elastic = state.elastic and not require_mutex and context.size() > 1
+    live = get_liveness() if context.size() > 1 else None
+    if elastic:
+        dead = known_dead()
+        requests = [r for r in requests if r[0] not in dead]
+    elif live is not None and live.lost:  # the job is broken: fail at once
+        raise lost_error(what, live.lost)
 
     def post() -> None:
         svc = windows.service
@@ -97,6 +160,8 @@ def issue(
             if svc is None or not requests:
                 finish()
                 _settle(done)
+            elif elastic:
+                _when_all(what, _post_surviving(svc, state, requests), finish, done, True)
             elif require_mutex:
                 for peer, kind, payload, value, codec in requests:
                     with remote_locks(svc, state, [peer]):
@@ -108,20 +173,23 @@ def issue(
                 _settle(done)
             else:
                 posted = [
-                    svc.request(kind, peer, state.wid, payload=payload, value=value, codec=codec)
+                    (
+                        peer,
+                        *svc.request(
+                            kind, peer, state.wid, payload=payload, value=value, codec=codec
+                        ),
+                    )
                     for peer, kind, payload, value, codec in requests
                 ]
                 _when_all(what, posted, finish, done)
         except BaseException as err:  # handed to the caller through the handle
             _settle(done, named(what, err))
 
-    live = get_liveness() if context.size() > 1 else None
-    if live is not None and live.lost:  # the job is broken: fail at once
-        raise lost_error(what, live.lost)
     if context.size() == 1:
         post()
     else:
-        windows.watch(what, done)
+        if not elastic:  # an elastic operation's requests are watched one by one
+            windows.watch(what, done)
         windows.client().submit(post)
     handle = Handle(done, what, context.timeout())
     return handle if async_op else handle.wait()

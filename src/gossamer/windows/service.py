@@ -94,6 +94,7 @@ class WindowState:
     p_buffers: dict[int, float]
     p: float = 1.0
     push_sum: bool = False
+    elastic: bool = False  # operations skip dead peers (requests.issue)
     lock: threading.Lock = field(default_factory=threading.Lock)
     mutexes: dict[int, _Mutex] = field(default_factory=dict)
     staging: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -495,13 +496,22 @@ class Service:
         except Exception:  # already broken: nothing is left to end
             logger.debug("window service: abort failed", exc_info=True)
         self._thread.join(timeout=2.0)
-        self._sends.put(None)
+        self._end_reaper()
 
-    def stop(self) -> None:
-        """Collective: every rank tells its successor's thread to stop, then joins its own."""
-        if self.size > 1 and self._broken is None:
+    def stop(self, ring: list[int] | None = None) -> None:
+        """Every rank of ``ring`` (default: all) tells its successor's thread to stop.
+
+        Collective over ``ring``, which must be the same list on its ranks and hold this
+        one; each then joins its own thread.
+        """
+        ring = list(range(self.size)) if ring is None else ring
+        if len(ring) == 1:
+            self.abort()  # nobody is left to stop this thread
+            return
+        if self._broken is None:
             head = _header(Kind.STOP, 0, 0)
-            work = self.group.send([head], (self.rank + 1) % self.size, _HEADER_TAG)
+            successor = ring[(ring.index(self.rank) + 1) % len(ring)]
+            work = self.group.send([head], successor, _HEADER_TAG)
             try:
                 work.wait()
             except RuntimeError as err:
@@ -509,4 +519,13 @@ class Service:
         self._thread.join(timeout=context.timeout())
         if self._thread.is_alive():
             logger.warning("window service thread of rank %d did not stop", self.rank)
-        self._sends.put(None)  # the reaper ends once the sends before it are done
+        self._end_reaper()
+
+    def _end_reaper(self) -> None:
+        """End the reaper once the sends before the end mark are done, and wait for it.
+
+        A reaper left inside gloo's ``wait`` when the process group is destroyed at
+        shutdown aborts the process ("terminate called without an active exception").
+        """
+        self._sends.put(None)
+        self._reaper.join(timeout=context.timeout())

@@ -101,6 +101,7 @@ class Window:
         name: str | None = None,
         push_sum: bool = False,
         topology: Topology | None = None,
+        elastic: bool = False,
     ) -> Window:
         """Register ``tensor`` (the object itself) as this rank's window. Collective.
 
@@ -112,6 +113,14 @@ class Window:
         puts, gets and updates of integer and bool windows are computed in float64 and rounded
         to the nearest integer; accumulates add in the window's dtype, wrapping around as its
         integer arithmetic does (bool: a logical or) -- see :mod:`gossamer.combine`.
+
+        With ``elastic=True`` the window outlives dead ranks: puts, accumulates and gets
+        without ``require_mutex`` skip the ranks the survivors agreed are dead (see
+        :func:`gossamer.live_ranks`), a peer that dies before answering is dropped from the
+        operation (and reported) instead of failing it, and :meth:`free` is collective over
+        the live ranks only, through the rendezvous store. Which weights to use without the
+        dead is the caller's choice (``dst_weights``, ``update(src_weights=...)``). Creation
+        itself is collective over every rank.
 
         Raises:
             TypeError: not a tensor, a dtype without a wire code, or a flag that is not a bool.
@@ -130,6 +139,7 @@ class Window:
                 raise TypeError("Window.create: tensor must be dense; got a sparse tensor")
             check_flag(zero_init, "zero_init", "Window.create")
             check_flag(push_sum, "push_sum", "Window.create")
+            check_flag(elastic, "elastic", "Window.create")
             if name is not None and not isinstance(name, str):
                 raise TypeError(f"Window.create: name must be a str; got {name!r}")
             if name in windows.windows:
@@ -159,6 +169,7 @@ class Window:
                 versions=dict.fromkeys(graph.in_neighbors(me), 0),
                 p_buffers=dict.fromkeys(graph.in_neighbors(me), 0.0),
                 push_sum=push_sum,
+                elastic=elastic,
             )
             if service is not None:
                 service.windows[wid] = state
@@ -171,20 +182,30 @@ class Window:
         return window
 
     def free(self) -> None:
-        """Release the window on every rank (collective); waits for this rank's operations."""
+        """Release the window on every rank (collective); waits for this rank's operations.
+
+        An elastic window is freed by the live ranks: a barrier among them through the
+        rendezvous store, so that no request of theirs is still on its way.
+        """
         state = self._require()
         windows = registry()
         windows.client().submit(lambda: None).result()  # drain queued operations
 
         def body() -> None:
             transport.wait_works("Window.free", [(-1, dist.barrier(async_op=True))])
+            forget()
+
+        def forget(ring: list[int] | None = None) -> None:
             if windows.service is not None:
                 windows.service.windows.pop(state.wid, None)
-                windows.stop_service_if_idle()
+                windows.stop_service_if_idle(ring)
 
         self._state = None
         windows.windows.pop(self.name, None)
-        transport.run("Window.free", body, False)
+        if state.elastic and context.size() > 1:
+            forget(list(transport.gather_live(f"window.free/{state.wid}", 0)))
+        else:
+            transport.run("Window.free", body, False)
 
     def __enter__(self) -> Window:
         return self
