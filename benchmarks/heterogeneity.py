@@ -40,7 +40,8 @@ by the one-peer exponential schedule: one peer per round, shift 1, 2, 4, ...), o
 ``atc``, ``skewscout`` and ``dacfl`` run.
 
 Uneven devices: every rank sleeps ``--delay-ms`` per step, the odd ranks twice that (they
-are 2x slower), in every configuration, so the synchronous methods run at the slow ranks'
+are 2x slower; ``--slow-every K``: ranks K-1, 2K-1, ..., so ``4`` makes a quarter of them
+slow), in every configuration, so the synchronous methods run at the slow ranks'
 pace and samples/s compare like with like.
 
 Reported per configuration: the final test accuracy (mean over ranks of each rank's own
@@ -327,7 +328,7 @@ def _steps(opt, model, batches, train, count, s, loss_fn, closure=False) -> None
             loss_fn(model(x[index]), y[index]).backward()
             opt.step()
         if delay:
-            time.sleep(delay)  # the simulated device: odd ranks are 2x slower
+            time.sleep(delay)  # the simulated device: the slow ranks are 2x slower
 
 
 def _mean(value: float) -> float:
@@ -487,7 +488,7 @@ def worker(args: argparse.Namespace) -> None:
                     partition,
                     histograms,
                     probe,
-                    slow=rank % 2 == 1,
+                    slow=rank % args.slow_every == args.slow_every - 1,
                     args=args,
                     dynamic=graph_name == "onepeer",
                 )
@@ -533,11 +534,16 @@ def _with_gaps(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _slow_ranks(args: argparse.Namespace) -> str:
+    k = args.slow_every
+    return "odd ranks" if k == 2 else f"ranks {k - 1}, {2 * k - 1}, ... (1 in {k})"
+
+
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     """The table of results, ready to paste into docs/heterogeneity.md."""
     lines = [
         f"{args.ranks} ranks, digits, MLP 64-64-64-10, SGD(momentum 0.9, lr {args.lr}), batch "
-        f"{args.batch}/rank, {args.steps} steps, odd ranks 2x slower ({args.delay_ms} / "
+        f"{args.batch}/rank, {args.steps} steps, {_slow_ranks(args)} 2x slower ({args.delay_ms} / "
         f"{2 * args.delay_ms} ms sleep per step){', --quick' if args.quick else ''}.",
         "",
         "| partition | method | graph | final accuracy | gap to IID (points) | "
@@ -635,6 +641,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--delay-ms", type=float, default=5.0, help="fast ranks' sleep")
     parser.add_argument(
+        "--slow-every", type=int, default=2, help="rank r is 2x slower when r %% K == K - 1"
+    )
+    parser.add_argument(
         "--fedhisyn-speeds",
         choices=("given", "measured"),
         default="given",
@@ -667,6 +676,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "batch",
         "skewscout_max_period",
         "atc_period",
+        "slow_every",
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -20,7 +20,8 @@ import gossamer
 from gossamer import checkpoint
 from gossamer.optim import PushSum, WindowPut
 from gossamer.testing import run_distributed
-from gossamer.topology import exponential_two, one_peer_exponential, ring
+from gossamer.topology import exponential_two, fully_connected, one_peer_exponential, ring
+from gossamer.windows import Window
 
 WORLD, VICTIM, KILL_STEP = 4, 2, 0
 RUN_S = 10.0  # from the test's start: start-up, the death found (about 4 s), consensus
@@ -114,3 +115,34 @@ def test_elastic_win_put_refuses_what_is_not_built():
         WindowPut(sgd, model, compression="uint8", elastic=True)
     with pytest.raises(TypeError, match="elastic must be a bool"):
         PushSum(sgd, model, elastic="yes")
+
+
+def _dies_mid_put():
+    rank = gossamer.rank()
+    x = torch.full((4_000_000,), float(rank))  # 16 MB: still on its way when the sender dies
+    window = Window.create(x, topology=fully_connected(3), elastic=True)
+    if rank == VICTIM:
+        window.put(dst_weights={1: 1.0}, async_op=True)
+        time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)
+    peer = 1 - rank
+    for value in (10.0, 20.0):
+        x.fill_(value + rank)
+        window.put(dst_weights={peer: 1.0, VICTIM: 1.0})
+        time.sleep(0.2)
+    deadline = time.monotonic() + 30  # the peer's puts wait until it has found the death
+    while window.buffers()[peer][0] != 20.0 + peer and time.monotonic() < deadline:
+        time.sleep(0.05)
+    got = window.buffers()[peer][:3].tolist()
+    live = gossamer.live_ranks()
+    window.free()
+    return {"got": got, "live": live}
+
+
+def test_an_elastic_window_service_survives_a_sender_that_dies_mid_transfer():
+    results = run_distributed(_dies_mid_put, 3, dies=[VICTIM], timeout=120)
+    for rank in (0, 1):
+        peer = 1 - rank
+        assert results[rank]["got"] == [20.0 + peer] * 3, results[rank]
+        assert results[rank]["live"] == [0, 1]

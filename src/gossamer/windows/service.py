@@ -1,16 +1,19 @@
-"""The window service: one progress thread per rank that serves one-sided requests.
+"""The window service: progress threads, one per peer, that serve one-sided requests.
 
 torch.distributed has no remote memory access, so a put is a message: the origin sends a
-header and a payload, the target's progress thread writes the payload into the origin's slot
-under the window's lock and acknowledges, and the origin's request completes on the
-acknowledgement. The target never has to call anything for a put to land.
+header and a payload, the target's progress thread for that origin writes the payload into
+the origin's slot under the window's lock and acknowledges, and the origin's request
+completes on the acknowledgement. The target never has to call anything for a put to land.
 
 Every message is a :class:`~gossamer.transport.Header` (the same codec as the operations')
-on one tag, received from any source; each payload travels on a tag of its own request, so
-concurrent requests never mix. The progress thread only posts non-blocking sends, so two
-ranks answering each other cannot deadlock; a second thread waits for those sends in order
-and then drops them (a gloo send reports completion only to ``wait``, so the sends cannot be
-polled). It stops on a STOP message from its predecessor in a ring (stopping is collective),
+on one tag; each payload travels on a tag of its own request, so concurrent requests never
+mix. Each peer has its own progress thread, receiving from that peer only: gloo fails a
+receive from *any* source for good once one peer's connection breaks in the middle of a
+message, so with one thread per peer a dead peer ends only its own thread, and elastic
+windows serve on. The progress threads only post non-blocking sends, so two ranks
+answering each other cannot deadlock; one more thread waits for those sends in order and
+then drops them (a gloo send reports completion only to ``wait``, so the sends cannot be
+polled). A peer's thread stops on a STOP message from that peer (stopping is collective),
 never on a timeout.
 """
 
@@ -40,7 +43,9 @@ from gossamer.transport import (
     HEADER_LEN,
     Header,
     as_bytes,
+    find_lost,
     get_liveness,
+    get_membership,
     lost_error,
     nbytes_of,
 )
@@ -147,7 +152,7 @@ def compressed_message(compressor: Compressor, payload: Payload) -> torch.Tensor
 
 
 class Service:
-    """Messaging, lock tables and the progress thread of one rank."""
+    """Messaging, lock tables and the progress threads of one rank."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -161,8 +166,16 @@ class Service:
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._broken: Exception | None = None
-        self._thread = threading.Thread(target=self._serve, name="gossamer-windows", daemon=True)
-        self._thread.start()
+        self._aborted = False
+        self._threads = {
+            peer: threading.Thread(
+                target=self._serve, args=(peer,), name=f"gossamer-windows-{peer}", daemon=True
+            )
+            for peer in range(self.size)
+            if peer != self.rank
+        }
+        for thread in self._threads.values():
+            thread.start()
         self._reaper = threading.Thread(
             target=self._reap, name="gossamer-windows-reaper", daemon=True
         )
@@ -312,7 +325,8 @@ class Service:
     def _recv_payload(self, src: int, req: int, out: torch.Tensor) -> None:
         self.group.recv([out], src, _PAYLOAD_TAG_BASE + req % (1 << 30)).wait()
 
-    def _serve(self) -> None:
+    def _serve(self, src: int) -> None:
+        """Serve ``src``'s messages in order until its STOP (or its death)."""
         handlers: dict[int, Callable] = {
             Kind.PUT: self._on_write,
             Kind.ACCUMULATE: self._on_write,
@@ -324,14 +338,12 @@ class Service:
             Kind.LOCK: self._on_lock,
             Kind.UNLOCK: self._on_unlock,
         }
+        encoded = torch.empty(HEADER_LEN, dtype=torch.int64)
         while True:
-            encoded = torch.empty(HEADER_LEN, dtype=torch.int64)
             try:
-                work = self.group.recv_anysource([encoded], _HEADER_TAG)
                 # Waiting for the next request is idle time, not a deadline: the group's
                 # timeout (the runtime's) bounds every other wait of the service.
-                work.wait(_IDLE)
-                src = work._source_rank()
+                self.group.recv([encoded], src, _HEADER_TAG).wait(_IDLE)
                 head = Header.decode(encoded)
                 try:
                     kind = Kind(head.op)
@@ -342,9 +354,25 @@ class Service:
                 if kind == Kind.STOP:
                     return
                 handlers[kind](kind, src, head)
-            except Exception as err:  # a peer died or spoke nonsense: fail every waiter
-                self._fail(err)
+            except Exception as err:
+                if self._aborted:  # abort() ended the receive
+                    return
+                if src in find_lost():
+                    self._peer_died(src)
+                else:  # a live peer spoke nonsense, or the group broke: fail every waiter
+                    self._fail(err)
                 return
+
+    def _peer_died(self, src: int) -> None:
+        """``src``'s thread ends; the service serves the others on.
+
+        A request of this rank to ``src`` fails through the loss watchdog (or is dropped,
+        on an elastic window), so nothing else changes here. When every window is elastic
+        the death is reported to the membership.
+        """
+        if self.windows and all(s.elastic for s in self.windows.values()):
+            get_membership().report({src})
+        logger.warning("window service of rank %d serves on without rank %d", self.rank, src)
 
     def _fail(self, err: Exception) -> None:
         logger.error("window service of rank %d stopped: %s", self.rank, err)
@@ -488,37 +516,55 @@ class Service:
     def abort(self) -> None:
         """Stop without the peers (a rank was lost, so the collective stop cannot run).
 
-        Aborting the group ends the progress thread's pending receive: a thread left inside
-        gloo's wait when the interpreter exits would abort the process.
+        A progress thread left inside gloo's wait when the interpreter exits would abort
+        the process, and aborting the group does not end a receive from one peer: so this
+        rank sends STOP to every peer not known lost, which ends their threads for it (they
+        do the same when they stop), and the threads for dead peers end on their broken
+        connections.
         """
+        self._aborted = True
+        live = get_liveness()
+        lost = live.lost if live is not None else set()
+        head = _header(Kind.STOP, 0, 0)
+        for peer in self._threads:
+            if peer not in lost:
+                try:
+                    self.group.send([head], peer, _HEADER_TAG).wait()
+                except RuntimeError:  # gone as well
+                    logger.debug("window service: no STOP to rank %d", peer, exc_info=True)
         try:
             self.group.abort()
         except Exception:  # already broken: nothing is left to end
             logger.debug("window service: abort failed", exc_info=True)
-        self._thread.join(timeout=2.0)
+        for thread in self._threads.values():
+            thread.join(timeout=2.0)
         self._end_reaper()
 
     def stop(self, ring: list[int] | None = None) -> None:
-        """Every rank of ``ring`` (default: all) tells its successor's thread to stop.
+        """Every rank of ``ring`` (default: all) tells the others' threads for it to stop.
 
         Collective over ``ring``, which must be the same list on its ranks and hold this
-        one; each then joins its own thread.
+        one; each then joins its threads for those ranks. Threads for ranks outside the
+        ring (dead) are ended by aborting the group.
         """
         ring = list(range(self.size)) if ring is None else ring
-        if len(ring) == 1:
-            self.abort()  # nobody is left to stop this thread
-            return
+        peers = [r for r in ring if r != self.rank]
         if self._broken is None:
             head = _header(Kind.STOP, 0, 0)
-            successor = ring[(ring.index(self.rank) + 1) % len(ring)]
-            work = self.group.send([head], successor, _HEADER_TAG)
-            try:
-                work.wait()
-            except RuntimeError as err:
-                logger.warning("window service: stop message not delivered: %s", err)
-        self._thread.join(timeout=context.timeout())
-        if self._thread.is_alive():
-            logger.warning("window service thread of rank %d did not stop", self.rank)
+            for peer in peers:
+                try:
+                    self.group.send([head], peer, _HEADER_TAG).wait()
+                except RuntimeError as err:
+                    logger.warning("window service: stop message not delivered: %s", err)
+        deadline = context.timeout()
+        for peer in peers:
+            self._threads[peer].join(timeout=deadline)
+        left = [p for p, t in self._threads.items() if t.is_alive()]
+        if left:
+            if any(p in peers for p in left):
+                logger.warning("window service threads of rank %d did not stop", self.rank)
+            self.abort()
+            return
         self._end_reaper()
 
     def _end_reaper(self) -> None:
