@@ -112,8 +112,8 @@ def _lost_peer(peer: int, error: BaseException) -> bool:
     return True
 
 
-def _post_surviving(svc, state: WindowState, requests: list) -> list:
-    """Post the requests to live peers; a peer found dead on the way is dropped."""
+def _post_all(svc, state: WindowState, requests: list, elastic: bool) -> list:
+    """Post the requests at once; ``elastic``: a peer found dead on the way is dropped."""
     posted = []
     for peer, kind, payload, value, codec in requests:
         try:
@@ -121,10 +121,11 @@ def _post_surviving(svc, state: WindowState, requests: list) -> list:
                 kind, peer, state.wid, payload=payload, value=value, codec=codec
             )
         except PeerError as err:
-            if _lost_peer(peer, err):
+            if elastic and _lost_peer(peer, err):
                 continue
             raise
-        registry().watch(f"window request to rank {peer}", future, peers={peer})
+        if elastic:  # watched one by one: only this peer's loss fails it
+            registry().watch(f"window request to rank {peer}", future, peers={peer})
         posted.append((peer, future, sends))
     return posted
 
@@ -160,8 +161,6 @@ def issue(
             if svc is None or not requests:
                 finish()
                 _settle(done)
-            elif elastic:
-                _when_all(what, _post_surviving(svc, state, requests), finish, done, True)
             elif require_mutex:
                 for peer, kind, payload, value, codec in requests:
                     with remote_locks(svc, state, [peer]):
@@ -172,16 +171,8 @@ def issue(
                 finish()
                 _settle(done)
             else:
-                posted = [
-                    (
-                        peer,
-                        *svc.request(
-                            kind, peer, state.wid, payload=payload, value=value, codec=codec
-                        ),
-                    )
-                    for peer, kind, payload, value, codec in requests
-                ]
-                _when_all(what, posted, finish, done)
+                posted = _post_all(svc, state, requests, elastic)
+                _when_all(what, posted, finish, done, elastic)
         except BaseException as err:  # handed to the caller through the handle
             _settle(done, named(what, err))
 
