@@ -34,7 +34,11 @@ def _optimizer(kind, model, elastic):
     if kind == "push_sum_one_peer":
         schedule = one_peer_exponential(exponential_two(WORLD), gossamer.rank())
         return PushSum(sgd, model, schedule=schedule, elastic=elastic)
-    return WindowPut(sgd, model, topology=ring(WORLD), elastic=elastic)
+    if kind == "window_put_one_peer":
+        schedule = one_peer_exponential(exponential_two(WORLD), gossamer.rank())
+        return WindowPut(sgd, model, schedule=schedule, elastic=elastic)
+    compression = "uint8" if kind == "window_put_uint8" else None
+    return WindowPut(sgd, model, topology=ring(WORLD), compression=compression, elastic=elastic)
 
 
 def _average(kind, elastic, deadline, root=None):
@@ -75,7 +79,10 @@ def _average(kind, elastic, deadline, root=None):
     return {"z": z, "p": p, "live": live, "steps": step}
 
 
-@pytest.mark.parametrize("kind", ["push_sum", "push_sum_one_peer", "window_put"])
+@pytest.mark.parametrize(
+    "kind",
+    ["push_sum", "push_sum_one_peer", "window_put", "window_put_one_peer", "window_put_uint8"],
+)
 def test_elastic_window_optimizers_reach_consensus_among_the_survivors(kind, tmp_path):
     deadline = time.time() + RUN_S
     results = run_distributed(
@@ -108,11 +115,11 @@ def test_window_optimizers_without_elastic_raise_naming_the_dead_rank(kind):
         assert results[r]["ranks"] == [VICTIM], results[r]
 
 
-def test_elastic_win_put_refuses_what_is_not_built():
+def test_elastic_must_be_a_bool():
     model = nn.Linear(2, 1)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="elastic=True is built for uncompressed"):
-        WindowPut(sgd, model, compression="uint8", elastic=True)
+    with pytest.raises(TypeError, match="elastic must be a bool"):
+        WindowPut(sgd, model, elastic=1)
     with pytest.raises(TypeError, match="elastic must be a bool"):
         PushSum(sgd, model, elastic="yes")
 

@@ -14,8 +14,10 @@ With ``elastic=True`` both outlive dead ranks (the windows are elastic,
 dead. Push-sum then pushes shares :math:`1/(d_i' + 1)` over its :math:`d_i'` live
 out-neighbours, which keeps every column stochastic among the survivors (the dead rank's
 mass, and what was pushed to it, is lost; :math:`z` stays a weighted average of the
-survivors' values). Win-put combines with the weights of
-:meth:`Topology.without(dead) <gossamer.topology.Topology.without>`.
+survivors' values). Win-put, plain or compressed, on a static topology or a schedule,
+combines with the weights of :meth:`Topology.without(dead)
+<gossamer.topology.Topology.without>`; the compressed combine's own copy
+:math:`\hat x_i` is then the mean over the live destinations' copies only.
 """
 
 from __future__ import annotations
@@ -198,11 +200,6 @@ class WindowPutGossip(_WindowGossip):
         super().__init__(topology, schedule=schedule, prefix=prefix, elastic=elastic)
         compressor = get_compressor(compression)
         self.compression: Compressor | None = None if compressor.name == "none" else compressor
-        if elastic and (self.compression is not None or schedule is not None):
-            raise ValueError(
-                "WindowPutGossip: elastic=True is built for uncompressed win-put over a static "
-                f"topology; got compression={compressor.name!r}, schedule={schedule!r}"
-            )
         self._survivors: tuple[frozenset[int], tuple] = (frozenset(), (None, None))
         if gamma is None:
             gamma = default_gamma(compressor)
@@ -230,7 +227,8 @@ class WindowPutGossip(_WindowGossip):
             dst_weights=self.destinations(window), async_op=True, compression=self.compression
         )
         corrected = self.compression is not None and self.step is None and not self.dst_weights
-        return _PutRound(put, window, self.gamma if corrected else None, self._weights(window))
+        gamma = self.gamma if corrected else None
+        return _PutRound(put, window, gamma, self._weights(window), self.dead)
 
     def _weights(self, window: Window) -> tuple:
         """``(self_weight, src_weights)`` of the combine: the topology's without the dead."""
@@ -246,11 +244,17 @@ class _PutRound(Deferred):
     """A put in flight: :meth:`sent` waits for it alone, ``wait()`` also combines."""
 
     def __init__(
-        self, put: Handle, window: Window, gamma: float | None = None, weights: tuple = (None, None)
+        self,
+        put: Handle,
+        window: Window,
+        gamma: float | None = None,
+        weights: tuple = (None, None),
+        dead: frozenset[int] = frozenset(),
     ) -> None:
         self.put = put
         self.gamma = gamma  # None: the plain combine
         self.weights = weights  # (self_weight, src_weights); None: the window topology's
+        self.dead = dead  # destinations whose copies no longer count (elastic)
         super().__init__(lambda: self._combine(window))
 
     def sent(self) -> None:
@@ -259,18 +263,19 @@ class _PutRound(Deferred):
 
     def _combine(self, window: Window) -> torch.Tensor:
         self.put.wait()
+        self_weight, src_weights = self.weights
         if self.gamma is None:
-            self_weight, src_weights = self.weights
             return window.update(
                 self_weight=self_weight, src_weights=src_weights, require_mutex=True
             )
         x = window.tensor.detach().clone()
-        out = window.update(require_mutex=True)
-        copies = list(window.sent_copies().values())
+        out = window.update(self_weight=self_weight, src_weights=src_weights, require_mutex=True)
+        copies = [c for d, c in window.sent_copies().items() if d not in self.dead]
         with torch.no_grad():
             if copies:
                 own = (sum(copies) / len(copies)).to(x.device)
-                self_weight, _ = window.topology.recv_weights(context.rank())
+                if self_weight is None:
+                    self_weight, _ = window.topology.recv_weights(context.rank())
                 out.add_(x - own, alpha=1.0 - self_weight)
             if self.gamma != 1.0:  # x + gamma (combined - x)
                 out.sub_(x).mul_(self.gamma).add_(x)

@@ -95,8 +95,8 @@ class WindowPut(_OverWindows, AdaptWithCombine):
             ``"topk:0.1"``, ...; see :meth:`gossamer.windows.Window.put`).
         elastic (bool): train on when ranks die: puts skip the dead and the combine uses
             :meth:`Topology.without(dead) <gossamer.topology.Topology.without>`'s weights
-            (uncompressed, static topology only); :meth:`free` is collective over the
-            live ranks.
+            (compressed or not, static topology or schedule); :meth:`free` is collective
+            over the live ranks.
         **kwargs: ``num_steps_per_communication``, ``fusion_threshold_bytes``.
 
     Example:
