@@ -17,6 +17,8 @@ import pytest
 import torch
 
 import gossamer
+from gossamer import communicators
+from gossamer.compression import get_compressor
 from gossamer.optim import AdaptThenCombine, AdaptWithCombine
 from gossamer.testing import run_distributed
 from gossamer.topology import (
@@ -181,3 +183,74 @@ def test_elastic_needs_neighbour_averaging():
         from gossamer.communicators import make
 
         make("allreduce", elastic=True)
+
+
+CHOCO_ROUNDS = 16
+
+
+def _choco_rounds():
+    """Pure CHOCO-uint8 averaging on ring(4); the victim kills itself at round KILL_STEP."""
+    rank = gossamer.rank()
+    comm = communicators.ChocoGossip("uint8", topology=ring(WORLD), elastic=True)
+    x = torch.randn(300, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64)
+    trace = []
+    for step in range(CHOCO_ROUNDS):
+        if rank == VICTIM and step == KILL_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)
+        comm.next_round()
+        x = comm.start(x, 0).wait()
+        trace.append(x.clone())
+    return {"trace": torch.stack(trace), "live": gossamer.live_ranks()}
+
+
+def _simulate_elastic_choco():
+    """CHOCO for every rank in one process, each switching to ring(4).without([2]) when it knows.
+
+    The rule of ``_simulate_awc``: ranks 1 and 3 in the round of the death, rank 0 one
+    round later. Public copies h are updated by every live rank; the dead rank's is frozen.
+    """
+    c = get_compressor("uint8")
+    gamma = communicators.default_gamma(c)
+    old = ring(WORLD)
+    new = old.without([VICTIM])
+    xs = [
+        torch.randn(300, generator=torch.Generator().manual_seed(100 + r), dtype=torch.float64)
+        for r in range(WORLD)
+    ]
+    hat = [torch.zeros_like(x) for x in xs]
+    knows, out = set(), []
+    for step in range(CHOCO_ROUNDS):
+        after = step >= KILL_STEP
+        live = [r for r in range(WORLD) if not (after and r == VICTIM)]
+        if after:
+            heard = {r for r in live if any(s in knows for s in old.in_neighbors(r))}
+            touches = {r for r in live if VICTIM in old.in_neighbors(r)}
+            knows |= heard | touches
+        for i in live:
+            hat[i] = hat[i] + c.decompress(c.compress(xs[i] - hat[i]))
+        mixed = list(xs)
+        for i in live:
+            _, weights = (new if i in knows else old).recv_weights(i)
+            pull = sum(w * (hat[j] - hat[i]) for j, w in weights.items())
+            mixed[i] = xs[i] + gamma * pull
+        xs = mixed
+        out.append(torch.stack(xs))
+    return torch.stack(out)  # (rounds, world, 300)
+
+
+def test_elastic_choco_survivors_follow_the_simulation():
+    results = run_distributed(_choco_rounds, WORLD, dies=[VICTIM], timeout=120)
+    want = _simulate_elastic_choco()
+    survivors = [r for r in range(WORLD) if r != VICTIM]
+    for r in survivors:
+        assert results[r]["live"] == survivors
+        torch.testing.assert_close(results[r]["trace"], want[:, r], rtol=1e-6, atol=1e-9)
+    # Consensus goes on among the survivors.
+    final = torch.stack([results[r]["trace"][-1] for r in survivors])
+    first = torch.stack([results[r]["trace"][KILL_STEP] for r in survivors])
+    assert (final - final.mean(0)).norm() < 0.1 * (first - first.mean(0)).norm()
+
+
+def test_elastic_choco_needs_fixed_size_payloads():
+    with pytest.raises(ValueError, match=r"compression='stc:0\.1'"):
+        communicators.ChocoGossip("stc:0.1", elastic=True)

@@ -1,7 +1,7 @@
 """The fault suite with elastic gossip: a rank is SIGKILLed mid-training; the survivors finish.
 
 Every neighbour-averaging optimizer built with ``elastic=True`` runs on 4 ranks (a static
-graph, a one-peer schedule, compressed win-put); rank 2 kills itself before its 6th step.
+graph, a one-peer schedule, CHOCO and compressed win-put); rank 2 kills itself before its 6th step.
 Each survivor must take all its steps without an error, agree that the live ranks are
 ``[0, 1, 3]``, and keep averaging: the survivors start from different models and fit the same
 data, so only gossip can remove their difference in the directions the data does not see
@@ -27,6 +27,8 @@ WORLD, VICTIM, KILL_AT, STEPS = 4, 2, 5, 40
 POINTS = {
     "awc_exp2": (AdaptWithCombine, {}, False),
     "awc_one_peer": (AdaptWithCombine, {}, True),
+    "awc_uint8_ring": (AdaptWithCombine, {"topology": ring(WORLD), "compression": "uint8"}, False),
+    "awc_uint8_one_peer": (AdaptWithCombine, {"compression": "uint8"}, True),
     "atc_ring": (AdaptThenCombine, {"topology": ring(WORLD)}, False),
     "atc_one_peer": (AdaptThenCombine, {}, True),
     "exact_diffusion_ring": (AdaptThenCombine, {"exact_diffusion": True}, False),

@@ -109,13 +109,13 @@ def make(
     ``compression="powersgd"`` or ``"powersgd:<rank>"`` (``"allreduce"`` only) is torch's
     PowerSGD (:class:`PowerSGDAllreduce`, error feedback unless ``error_feedback=False``).
 
-    ``elastic=True`` (neighbour averaging only, uncompressed) makes rounds outlive dead
-    peers (:class:`NeighborAllreduce`).
+    ``elastic=True`` (neighbour averaging only, plain or CHOCO) makes rounds outlive dead
+    peers (:class:`NeighborAllreduce`, :class:`ChocoGossip`).
 
     Raises:
         ValueError: an unknown name, both ``topology`` and ``schedule``, compression with
             a communication that has no compressed form, or ``elastic`` with a pattern
-            other than uncompressed ``"neighbor_allreduce"``.
+            other than ``"neighbor_allreduce"``.
         TypeError: a ``topology`` or ``schedule`` of the wrong type.
     """
     if communication not in COMMUNICATIONS:
@@ -138,17 +138,19 @@ def make(
     compressor = get_compressor(compression)
     if not isinstance(elastic, bool):
         raise TypeError(f"elastic must be a bool; got {elastic!r}")
-    if elastic and (communication != "neighbor_allreduce" or compressor.name != "none"):
+    if elastic and communication != "neighbor_allreduce":
         raise ValueError(
-            f"elastic=True is built for uncompressed 'neighbor_allreduce' only; got "
-            f"communication={communication!r}, compression={compressor.name!r} (collective "
-            "patterns cannot outlive a rank: they raise RankLostError)"
+            f"elastic=True is built for 'neighbor_allreduce' (plain or CHOCO) only; got "
+            f"communication={communication!r} (collective and hierarchical patterns cannot "
+            "outlive a rank: they raise RankLostError)"
         )
     if error_feedback is not None and compressor.name == "none":
         raise ValueError(f"error_feedback={error_feedback!r} needs a compression; got none")
     if compressor.name != "none":
         if communication == "neighbor_allreduce":
-            return ChocoGossip(compressor, topology=topology, schedule=schedule, **every)
+            return ChocoGossip(
+                compressor, topology=topology, schedule=schedule, elastic=elastic, **every
+            )
         if communication == "allreduce":
             return CompressedAllreduce(compressor, error_feedback=error_feedback, **every)
         raise ValueError(

@@ -24,6 +24,12 @@ schedule), and the update is
 
 which preserves the average when every rank receives the total weight it gives, as in the
 one-peer exponential schedule (weights 1/2).
+
+With ``elastic=True`` a round outlives dead peers as
+:class:`~gossamer.communicators.ElasticRound` does: every message between two survivors
+is delivered in the round of the death, so the public copies on both ends of every
+survivor-to-survivor edge stay equal, and the combine uses the weights of the topology
+(or step) without the dead ranks; the dead ranks' copies are no longer read.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import torch
 from gossamer import transport
 from gossamer.communicators.base import Deferred, Pending, PostedState, check_topology
 from gossamer.communicators.compressed import codec_id, rank_compressor
-from gossamer.communicators.neighbor import Scheduled
+from gossamer.communicators.neighbor import ElasticRound, Scheduled
 from gossamer.compression import Compressor, Payload, compression_quality, get_compressor
 from gossamer.ops import get_topology
 from gossamer.topology import Step, Topology
@@ -127,6 +133,8 @@ class ChocoGossip(Scheduled):
         schedule (Iterator[Step], optional): a dynamic topology (per-edge copies).
         global_average_every (int, optional): every K-th round is a full-precision global
             average.
+        elastic (bool): survive dead peers (see the module's text); needs a compressor whose
+            payload size depends only on the tensor's (all but ``stc``).
     """
 
     name = "choco"
@@ -139,9 +147,18 @@ class ChocoGossip(Scheduled):
         topology: Topology | None = None,
         schedule: Iterator[Step] | None = None,
         global_average_every: int | None = None,
+        elastic: bool = False,
     ) -> None:
         super().__init__(schedule=schedule, global_average_every=global_average_every)
         self.compressor = get_compressor(compression)
+        if not isinstance(elastic, bool):
+            raise TypeError(f"elastic must be a bool; got {elastic!r}")
+        if elastic and not self.compressor.exact_nbytes:
+            raise ValueError(
+                f"elastic=True needs a compressor with fixed-size payloads; got compression="
+                f"{self.compressor.name!r}"
+            )
+        self.elastic = elastic
         if gamma is None:
             gamma = default_gamma(self.compressor)
         auto = gamma == "auto"
@@ -180,6 +197,8 @@ class ChocoGossip(Scheduled):
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         self._use_rank_streams()
+        if self.elastic:
+            return _ElasticChoco(self, index, self.topology, self.step, self.rounds).start(flat)
         step = self.step
         if step is None:
             graph = get_topology() if self.topology is None else self.topology
@@ -231,7 +250,8 @@ class ChocoGossip(Scheduled):
             replica.add_(self.compressor.decompress(Payload(buffer, flat.shape, flat.dtype)))
             pull = torch.mul(replica, w) if pull is None else pull.add_(replica, alpha=w)
         copies = [self._copy(index, key, flat) for key in mine]
-        own = copies[0] if len(copies) == 1 else sum(copies) / max(len(copies), 1)
+        # No copies: every destination of the step is dead (elastic), none was sent.
+        own = (copies[0] if len(copies) == 1 else sum(copies) / len(copies)) if copies else flat
         pull.sub_(own, alpha=sum(weights.values()))
         return torch.add(flat, pull, alpha=self.bucket_gamma(index))
 
@@ -289,3 +309,42 @@ class ChocoGossip(Scheduled):
             int(i): {tuple(k): t.clone() for k, t in c.items()}
             for i, c in state.get("copies", {}).items()
         }
+
+
+class _ElasticChoco(ElasticRound):
+    """A CHOCO round that completes with the survivors (see :class:`ElasticRound`)."""
+
+    op = _OP
+
+    def __init__(
+        self,
+        choco: ChocoGossip,
+        index: int,
+        topology: Topology | None,
+        step: Step | None,
+        round: int,
+    ) -> None:
+        super().__init__(topology, step, round)
+        self.choco, self.index = choco, index
+        self.codec = choco.codec
+        self.mine: list[tuple] = []
+
+    def encode(
+        self, x: torch.Tensor, dsts: dict[int, float]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Compress the differences to the live destinations' copies; the payload layout."""
+        flat = x.reshape(-1)
+        self.mine, sends = self.choco._encode(flat, self.index, list(dsts), self.step is not None)
+        nbytes = self.choco.compressor.payload_nbytes(flat.numel(), flat.dtype)
+        return torch.empty(nbytes, dtype=torch.uint8), sends
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        self_weight: float,
+        received: dict[int, torch.Tensor],
+        weights: dict[int, float],
+    ) -> torch.Tensor:
+        """CHOCO's combine over the survivors' weights."""
+        flat = x.reshape(-1)
+        return self.choco._combine(flat, self.index, self.mine, received, weights).view_as(x)

@@ -236,6 +236,7 @@ class ElasticRound:
     """
 
     op = "neighbor_allreduce"
+    codec = 0  # the payload codec in the header (0: raw values)
 
     def __init__(self, topology: Topology | None, step: Step | None, round: int = -1) -> None:
         self.topology = topology
@@ -257,6 +258,22 @@ class ElasticRound:
         sources = list(graph.in_neighbors(me))
         return self_weight, dict(weights), sources, dict.fromkeys(graph.out_neighbors(me), 1.0)
 
+    def encode(
+        self, x: torch.Tensor, dsts: dict[int, float]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """``(probe, sends)``: what the header describes, and what each destination gets."""
+        return x, scaled_copies(x, dsts)
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        self_weight: float,
+        received: dict[int, torch.Tensor],
+        weights: dict[int, float],
+    ) -> torch.Tensor:
+        """The new value from what arrived, with the survivors' weights."""
+        return weighted_sum(x, self_weight, received, weights)
+
     def start(self, flat: torch.Tensor) -> Pending:
         """Queue the round on the communication thread; ``wait()`` gives the new value."""
         membership = self.membership
@@ -268,8 +285,9 @@ class ElasticRound:
 
         def body() -> torch.Tensor:
             x = flat.contiguous()
+            probe, sends = self.encode(x, dsts)
             got = transport.exchange_surviving(
-                self.op, x, scaled_copies(x, dsts), sources, epoch=epoch
+                self.op, probe, sends, sources, epoch=epoch, codec=self.codec
             )
             if got.lost:
                 membership.report(got.lost, self.round)
@@ -283,7 +301,7 @@ class ElasticRound:
                     f"combine at epoch {membership.epoch} (were the survivors disconnected?)"
                 )
             received = {s: got.received[s] for s in now_sources}
-            return weighted_sum(x, self_weight, received, weights)
+            return self.combine(x, self_weight, received, weights)
 
         # No peers for the engine to fail it on: the round deals with dead peers itself
         # (a watchdog failing it while it confirms a death would leave its peers waiting).

@@ -47,7 +47,7 @@ class DecentralizedOptimizer:
             averaging becomes CHOCO-gossip, ``allreduce`` a compressed allreduce (see
             :func:`gossamer.communicators.make`); error_feedback: for the latter.
         elastic (bool): train on when neighbours die: rounds complete with the survivors
-            and later rounds leave the dead out (neighbour averaging only; see
+            and later rounds leave the dead out (neighbour averaging, plain or CHOCO; see
             :class:`gossamer.communicators.NeighborAllreduce` and docs/fault-tolerance.md).
             Default False: a dead rank makes every survivor raise ``RankLostError``.
         num_steps_per_communication (int): communicate once every this many steps.

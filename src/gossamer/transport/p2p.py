@@ -397,10 +397,12 @@ def exchange_surviving(
     group: dist.ProcessGroup | None = None,
     *,
     epoch: int = 0,
+    codec: int = 0,
 ) -> Survived:
     """Send ``sends[d]`` to every ``d``, receive from ``sources``; survive dead peers.
 
-    Ranks are ranks of ``group``; the header of this rank carries ``epoch``. Transfers with
+    Ranks are ranks of ``group``; the header of this rank carries ``epoch`` and the payload
+    ``codec`` (checked against the sources' as the shape is). Transfers with
     dead peers are dropped (the result names them in ``lost``); the returned tensors are
     reused by the next exchange: consume them first.
 
@@ -409,7 +411,7 @@ def exchange_surviving(
         PeerError: a source called another operation or shape, or a transfer failed with a
             rank whose heartbeat goes on.
     """
-    mine = Header.of(op, tensor, epoch=epoch)
+    mine = Header.of(op, tensor, epoch=epoch, codec=codec)
     heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
     buffers = context.runtime().component("transport.buffers", Buffers)
     header_bytes = as_bytes(mine.encode())
