@@ -5,6 +5,8 @@ divmod, group means from those coordinates, and the rounds after a death simulat
 """
 
 import math
+import os
+import signal
 import warnings
 
 import pytest
@@ -252,6 +254,45 @@ def test_survivors_converge_to_their_mean_after_a_death(grid, dead, before, extr
 
     assert spread(before + 2) < spread(before)
     assert spread(total) <= 1e-6
+
+
+def _killed_rounds(grid, count, victim, before):
+    """Elastic rounds; ``victim`` SIGKILLs itself before round ``before``."""
+    x = data(gossamer.rank(), dtype=torch.float64)
+    comm = MoshpitAverage(grid, elastic=True)
+    comm.bind([])
+    history = [x]
+    for t in range(count):
+        if t == before and gossamer.rank() == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        comm.next_round()
+        x = comm.start(x).wait()
+        history.append(x)
+    return history, sorted(comm.live)
+
+
+@pytest.mark.parametrize(("grid", "dead", "before", "extra"), DEATHS[::2], ids=["4-2x2", "8-2x2x2"])
+def test_elastic_survivors_of_a_killed_rank_follow_the_marked_death(grid, dead, before, extra):
+    """A real SIGKILL instead of ``mark_dead``: the same values, round by round."""
+    size = math.prod(grid)
+    total = before + extra
+    got = run_distributed(
+        _killed_rounds, size, args=(grid, total, dead, before), dies=[dead], timeout=180
+    )
+    xs = _inputs(size)
+    survivors = sorted(set(range(size)) - {dead})
+    live_from = lambda t: set(range(size)) if t < before else set(survivors)  # noqa: E731
+    at_death = _simulate(xs, grid, before, live_from)
+    reference = torch.stack([at_death[s] for s in survivors]).mean(0)
+    for r in survivors:
+        history, live = got[r]
+        assert live == survivors
+        for t in range(total + 1):
+            torch.testing.assert_close(history[t], _simulate(xs, grid, t, live_from)[r])
+    for t in (before + 1, before + 2):
+        average = torch.stack([got[s][0][t] for s in survivors]).mean(0)
+        torch.testing.assert_close(average, reference, rtol=0, atol=1e-6)
+    assert max((got[s][0][total] - reference).abs().max().item() for s in survivors) <= 1e-6
 
 
 def _live_set_errors():

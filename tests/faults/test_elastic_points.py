@@ -27,6 +27,7 @@ WORLD, VICTIM, KILL_AT, STEPS = 4, 2, 5, 40
 POINTS = {
     "awc_exp2": (AdaptWithCombine, {}, False),
     "awc_one_peer": (AdaptWithCombine, {}, True),
+    "awc_global_every_4": (AdaptWithCombine, {"global_average_every": 4}, False),
     "awc_uint8_ring": (AdaptWithCombine, {"topology": ring(WORLD), "compression": "uint8"}, False),
     "awc_uint8_one_peer": (AdaptWithCombine, {"compression": "uint8"}, True),
     "atc_ring": (AdaptThenCombine, {"topology": ring(WORLD)}, False),

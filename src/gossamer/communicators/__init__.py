@@ -28,7 +28,12 @@ from gossamer.communicators.base import Communicator, Deferred, Pending, check_t
 from gossamer.communicators.choco import ChocoGossip, choco_gamma, default_gamma
 from gossamer.communicators.collective import Allreduce, NoCommunication
 from gossamer.communicators.compressed import CompressedAllreduce
-from gossamer.communicators.moshpit import MoshpitAverage, grid_groups, near_cubic_grid
+from gossamer.communicators.moshpit import (
+    MoshpitAverage,
+    elastic_global_average,
+    grid_groups,
+    near_cubic_grid,
+)
 from gossamer.communicators.neighbor import HierarchicalNeighborAllreduce, NeighborAllreduce
 from gossamer.communicators.nonlinear import NonlinearGossip, sign_power
 from gossamer.communicators.powersgd import PowerSGDAllreduce, parse_powersgd
@@ -55,6 +60,7 @@ __all__ = [
     "WindowPutGossip",
     "choco_gamma",
     "default_gamma",
+    "elastic_global_average",
     "grid_groups",
     "make",
     "near_cubic_grid",

@@ -137,8 +137,12 @@ class Communicator(abc.ABC):
         if context.size() == 1:
             return None
         if self._global:
-            return ops.allreduce(flat, async_op=True)
+            return self._global_start(flat)
         return self._start(flat, index)
+
+    def _global_start(self, flat: torch.Tensor) -> Pending | None:
+        """A global round: an ``allreduce`` average."""
+        return ops.allreduce(flat, async_op=True)
 
     @abc.abstractmethod
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:

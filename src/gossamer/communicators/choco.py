@@ -26,7 +26,7 @@ which preserves the average when every rank receives the total weight it gives, 
 one-peer exponential schedule (weights 1/2).
 
 With ``elastic=True`` a round outlives dead peers as
-:class:`~gossamer.communicators.ElasticRound` does: every message between two survivors
+:class:`~gossamer.communicators.elastic.ElasticRound` does: every message between two survivors
 is delivered in the round of the death, so the public copies on both ends of every
 survivor-to-survivor edge stay equal, and the combine uses the weights of the topology
 (or step) without the dead ranks; the dead ranks' copies are no longer read.
@@ -42,7 +42,8 @@ import torch
 from gossamer import transport
 from gossamer.communicators.base import Deferred, Pending, PostedState, check_topology
 from gossamer.communicators.compressed import codec_id, rank_compressor
-from gossamer.communicators.neighbor import ElasticRound, Scheduled
+from gossamer.communicators.elastic import ElasticRound
+from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, Payload, compression_quality, get_compressor
 from gossamer.ops import get_topology
 from gossamer.topology import Step, Topology

@@ -18,8 +18,13 @@ survivors' sum :math:`\sum_{s \in L} x_s` is kept by every round: the survivors 
 their mean at the time the live set last changed. They no longer get there in :math:`d`
 rounds (a survivor alone in its group along :math:`k` keeps its value that round), but
 geometrically, as long as the survivors stay connected through grid lines. Who is dead is
-told to the communicator (:meth:`MoshpitAverage.mark_dead`); detecting deaths and agreeing
-on them is another piece (see ``docs/fault-tolerance.md``).
+told to the communicator (:meth:`MoshpitAverage.mark_dead`), or, with ``elastic=True``,
+learned from the runtime's membership: every round is then a
+:class:`~gossamer.communicators.elastic.GroupRound` (point to point among the group's live
+members), so a member that dies in the middle of a round is dropped from that round by
+all the others, which average among themselves (``docs/fault-tolerance.md``).
+:func:`elastic_global_average` runs :math:`d` such rounds: the global rounds of elastic
+neighbour averaging (``global_average_every``).
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ import torch
 import torch.distributed as dist
 
 from gossamer import context, ops, transport
-from gossamer.communicators.base import Communicator, Pending
+from gossamer.communicators.base import Communicator, Deferred, Pending
+from gossamer.communicators.elastic import GroupRound
 from gossamer.fusion import Bucket
 from gossamer.topology import connected_components
 
-__all__ = ["MoshpitAverage", "grid_groups", "near_cubic_grid"]
+__all__ = ["MoshpitAverage", "elastic_global_average", "grid_groups", "near_cubic_grid"]
 
 
 def _check_positive_int(value: object, name: str) -> int:
@@ -184,6 +190,8 @@ class MoshpitAverage(Communicator):
         grid (Sequence[int], optional): the sides; their product must be the world size.
             None: :func:`near_cubic_grid` of the world size, chosen at :meth:`bind`.
         live (Iterable[int], optional): the live ranks (None: every rank).
+        elastic (bool): learn deaths from the membership and survive a death in the middle
+            of a round (every round point to point; no process groups are created).
 
     Attributes:
         rounds (int): rounds started so far (:meth:`next_round`); the only state in
@@ -193,9 +201,16 @@ class MoshpitAverage(Communicator):
     name = "moshpit"
 
     def __init__(
-        self, grid: Sequence[int] | None = None, *, live: Iterable[int] | None = None
+        self,
+        grid: Sequence[int] | None = None,
+        *,
+        live: Iterable[int] | None = None,
+        elastic: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(elastic, bool):
+            raise TypeError(f"elastic must be a bool; got {elastic!r}")
+        self.elastic = elastic
         self.grid: tuple[int, ...] | None = None if grid is None else _check_grid(grid)
         self._live: frozenset[int] | None = None if live is None else _rank_set(live, "live")
         # dimension -> this rank's group (its global ranks) and the process group over it.
@@ -203,10 +218,11 @@ class MoshpitAverage(Communicator):
 
     @property
     def live(self) -> frozenset[int]:
-        """The live ranks (every rank until told otherwise)."""
-        if self._live is None:
-            return frozenset(range(context.size()))
-        return self._live
+        """The live ranks (every rank until told otherwise; elastic: less the agreed dead)."""
+        live = frozenset(range(context.size())) if self._live is None else self._live
+        if self.elastic and context.size() > 1:
+            live -= transport.get_membership().dead
+        return live
 
     @property
     def dimension(self) -> int:
@@ -239,7 +255,10 @@ class MoshpitAverage(Communicator):
         self.grid = grid
         if self._live is not None:
             self._set_live(self._live, "live")
-        self._groups = transport.run("moshpit_groups", self._new_groups, False)
+        if self.elastic:
+            self._groups = [(_my_group(grid, dim), None) for dim in range(len(grid))]
+        else:
+            self._groups = transport.run("moshpit_groups", self._new_groups, False)
 
     def _new_groups(self) -> list[tuple[tuple[int, ...], dist.ProcessGroup | None]]:
         grid, me = self._bound_grid(), context.rank()
@@ -313,9 +332,13 @@ class MoshpitAverage(Communicator):
         if not self._groups:
             raise RuntimeError("MoshpitAverage: call bind() before start()")
         me, live = context.rank(), self.live
+        members, group = self._groups[self.dimension]
+        if self.elastic:  # a rank the others found dead raises there, naming itself
+            everyone = frozenset(range(context.size()))
+            told = frozenset() if self._live is None else everyone - self._live
+            return GroupRound(members, told, self.rounds).start(flat)
         if me not in live:
             return None  # a dead rank takes no part
-        members, group = self._groups[self.dimension]
         alive = [r for r in members if r in live]
         if len(alive) == 1:
             return None
@@ -337,3 +360,30 @@ class MoshpitAverage(Communicator):
 
     def __repr__(self) -> str:
         return f"MoshpitAverage(grid={self.grid}, rounds={self.rounds}, live={len(self.live)})"
+
+
+def _my_group(grid: Sequence[int], dim: int) -> tuple[int, ...]:
+    """This rank's grid line along ``dim``."""
+    me = context.rank()
+    return next(members for members in grid_groups(grid, dim) if me in members)
+
+
+def elastic_global_average(flat: torch.Tensor, round: int = -1) -> Pending:
+    """The mean of ``flat`` over the live ranks by :math:`d` Moshpit rounds that outlive deaths.
+
+    The grid is :func:`near_cubic_grid` of the world size; each round is a
+    :class:`~gossamer.communicators.elastic.GroupRound` along one dimension. With every rank
+    live the result is the exact mean; after a death, the survivors' sum is kept and they
+    converge to their mean over later global rounds (see the module's text). The rounds run
+    when the result is waited for (each needs the last one's value), so every rank must
+    wait its global rounds in the same order.
+    """
+    grid = near_cubic_grid(context.size())
+
+    def run() -> torch.Tensor:
+        x = flat
+        for dim in range(len(grid)):
+            x = GroupRound(_my_group(grid, dim), round=round).start(x).wait()
+        return x
+
+    return Deferred(run)

@@ -78,6 +78,8 @@ OPS = (
     # Random-k's values summed over ranks; the header's aux is the (seed, step) of its positions.
     "compressed_allreduce",
     "barrier",
+    # Averaging inside a group of ranks among its live members (Moshpit's grid lines).
+    "group_average",
 )
 
 
