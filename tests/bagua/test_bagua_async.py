@@ -79,7 +79,7 @@ def _distance(vectors):
     return float(torch.stack([(v - mean).norm() for v in vectors]).pow(2).mean().sqrt())
 
 
-@pytest.mark.parametrize(("mode", "warmup"), [("all", 0), ("shift_one", 2)])
+@pytest.mark.parametrize(("mode", "warmup"), [("all", 0), ("shift_one", 2), ("moshpit", 0)])
 def test_async_averaging_keeps_ranks_together_while_they_run_apart(mode, warmup):
     got = run_distributed(_async, N, args=(mode, warmup), timeout=120)
     apart = _distance([g["local"] for g in got])

@@ -4,8 +4,11 @@ One round (:meth:`AsyncModelAverageOp.run_round`), with :math:`s` a snapshot of 
 weights taken when the round starts:
 
 1. negotiate: the ranks add their "aborted" flags; when every rank has aborted, stop;
-2. average the snapshots: :math:`\bar s = \frac1n \sum_r s_r` (``"all"``), or
-   :math:`(s + s_p)/2` with one peer (``"shift_one"``, any number of ranks);
+2. average the snapshots: :math:`\bar s = \frac1n \sum_r s_r` (``"all"``),
+   :math:`(s + s_p)/2` with one peer (``"shift_one"``, any number of ranks), or the mean
+   over this rank's line of a Moshpit grid, one dimension per round (``"moshpit"``:
+   :func:`~gossamer.communicators.near_cubic_grid` of the world; every :math:`d` rounds
+   of snapshots taken at once would give the global mean);
 3. under the weight lock, :math:`x \leftarrow x + \bar s - s`, which keeps the local
    progress made while the round was in flight.
 
@@ -28,9 +31,13 @@ import torch.distributed as dist
 
 from gossamer import context, transport
 from gossamer.bagua.communicators import PEER_SELECTION_MODES, shift_one_peer
+from gossamer.communicators import grid_groups, near_cubic_grid
 from gossamer.ops.collectives import reduce_into
 
-__all__ = ["AsyncModelAverageOp", "BackgroundLoop", "new_gloo_group"]
+__all__ = ["ASYNC_PEER_SELECTION_MODES", "AsyncModelAverageOp", "BackgroundLoop", "new_gloo_group"]
+
+#: Bagua's modes, and (beyond Bagua) Moshpit group averaging
+ASYNC_PEER_SELECTION_MODES = (*PEER_SELECTION_MODES, "moshpit")
 
 
 def new_gloo_group(ranks: list[int]) -> dist.ProcessGroup:
@@ -55,9 +62,9 @@ class AsyncModelAverageOp:
     """
 
     def __init__(self, bucket: Any, peer_selection_mode: str, group: Any) -> None:
-        if peer_selection_mode not in PEER_SELECTION_MODES:
+        if peer_selection_mode not in ASYNC_PEER_SELECTION_MODES:
             raise ValueError(
-                f"peer_selection_mode must be one of {PEER_SELECTION_MODES}; "
+                f"peer_selection_mode must be one of {ASYNC_PEER_SELECTION_MODES}; "
                 f"got {peer_selection_mode!r}"
             )
         self.bucket = bucket
@@ -113,6 +120,8 @@ class AsyncModelAverageOp:
             total = snapshot.clone()
             reduce_into(total, False, group)
             delta = total.div_(n).sub_(snapshot)
+        elif self.peer_selection_mode == "moshpit":
+            delta = self._moshpit_delta(snapshot, group, n)
         else:
             me = dist.get_rank(group)
             peer = shift_one_peer(me, n, self.rounds)
@@ -126,6 +135,18 @@ class AsyncModelAverageOp:
                 self.bucket.add_to_effective(delta)
         self.rounds += 1
         return True
+
+    def _moshpit_delta(self, snapshot: torch.Tensor, group: Any, n: int) -> torch.Tensor | None:
+        """The mean over this rank's grid line along dimension ``rounds mod d``, less ``s``."""
+        grid, me = near_cubic_grid(n), dist.get_rank(group)
+        line = next(g for g in grid_groups(grid, self.rounds % len(grid)) if me in g)
+        peers = [r for r in line if r != me]
+        if not peers:
+            return None
+        got = transport.exchange(
+            "group_average", snapshot, dict.fromkeys(peers, snapshot), peers, group
+        )
+        return sum(got.values(), snapshot.clone()).div_(len(line)).sub_(snapshot)
 
 
 class BackgroundLoop:

@@ -19,10 +19,9 @@ import torch
 from gossamer.bagua._groups import BaguaProcessGroup
 from gossamer.bagua._state import state
 from gossamer.bagua.algorithms.base import Algorithm, AlgorithmImpl
-from gossamer.bagua.asynchronous import BackgroundLoop, new_gloo_group
+from gossamer.bagua.asynchronous import ASYNC_PEER_SELECTION_MODES, BackgroundLoop, new_gloo_group
 from gossamer.bagua.bucket import BaguaBucket
 from gossamer.bagua.communication import barrier
-from gossamer.bagua.communicators import PEER_SELECTION_MODES
 
 __all__ = ["AsyncModelAverageAlgorithm", "AsyncModelAverageAlgorithmImpl"]
 
@@ -37,9 +36,9 @@ class _AsyncInternalState(IntEnum):
 
 
 def _check(peer_selection_mode: object, sync_interval_ms: object, warmup_steps: object) -> None:
-    if peer_selection_mode not in PEER_SELECTION_MODES:
+    if peer_selection_mode not in ASYNC_PEER_SELECTION_MODES:
         raise ValueError(
-            f"peer_selection_mode must be one of {PEER_SELECTION_MODES}; "
+            f"peer_selection_mode must be one of {ASYNC_PEER_SELECTION_MODES}; "
             f"got {peer_selection_mode!r}"
         )
     for name, value in (("sync_interval_ms", sync_interval_ms), ("warmup_steps", warmup_steps)):
@@ -245,7 +244,8 @@ class AsyncModelAverageAlgorithm(Algorithm):
 
     Args:
         peer_selection_mode (str): ``"all"`` (average over all ranks) or, beyond Bagua,
-            ``"shift_one"`` (one rotating peer per round, any number of ranks).
+            ``"shift_one"`` (one rotating peer per round, any number of ranks) or
+            ``"moshpit"`` (a Moshpit grid line per round, one dimension after another).
         sync_interval_ms (int): pause between rounds, in milliseconds (0: no rounds).
         warmup_steps (int): synchronous gradient allreduce for this many steps first.
     """
