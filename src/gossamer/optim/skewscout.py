@@ -377,13 +377,13 @@ class SkewScout:
 
     def step(self, closure=None):
         """The wrapped optimizer's step; every ``probe_every`` steps, a probe (collective)."""
-        if self._round_ended:
-            # The first step after a round: the round's result is in the parameters once
-            # they are synchronized (ATC writes it in the forward pass, so this rarely waits).
+        is_round = self._next_is_round()
+        if self._round_ended and not is_round:
+            # The first step without communication after a round: the round's result is in
+            # the parameters once synchronized (ATC writes it in the forward pass: no wait).
+            # A step that is a round itself is skipped, so period 1 keeps its overlap.
             self.inner.synchronize()
             self._anchor = self._flat()
-            self._round_ended = False
-        is_round = self._next_is_round()
         loss = self.inner.step(closure)
         self._record_step_size()
         if self.inner.steps % self.probe_every == 0:
