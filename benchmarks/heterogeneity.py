@@ -21,7 +21,7 @@ and 2 classes per rank. The methods (:data:`METHODS`):
 - ``d-cliques``: ATC on a D-Cliques graph built from the label histograms (cliques of 4);
 - ``clumping``: ATC on a peer-clumping graph (degree 2, label histograms as the proxy);
 - ``skewscout``: ATC on the graph, its period tuned by SkewScout (probe every 20 steps,
-  threshold 10 points of accuracy loss, drift threshold 300, period 1 to 16), each rank
+  threshold 10 points of accuracy loss, drift threshold 150, period 1 to 16), each rank
   probing on 64 of its images;
 - ``fedhisyn``: groups by step time, ring inside each group, global average every 8 steps
   of the slow group (the fast group takes proportionally more steps). The step times are
@@ -78,7 +78,7 @@ from gossamer import data, optim
 from gossamer import topology as topo
 from gossamer.models import MLP
 
-DRIFT_THRESHOLD = 300.0  # SkewScout's drift threshold (see --skewscout-drift-threshold)
+DRIFT_THRESHOLD = 150.0  # SkewScout's drift threshold (see --skewscout-drift-threshold)
 PARTITIONS = ("iid", "dirichlet-0.1", "2-classes")
 GRAPHS = ("ring", "exp2", "onepeer")  # onepeer: the one-peer exponential schedule on exp2
 DEFAULT_GRAPHS = ("ring", "exp2")
@@ -167,6 +167,7 @@ def _skewscout(model, base, s):
         drift_threshold=s.args.skewscout_drift_threshold or None,
         min_period=1,
         max_period=s.args.skewscout_max_period,
+        hysteresis=s.args.skewscout_hysteresis,
     )
     return optim.SkewScout(
         atc, lambda m: _accuracy(m, x, y), controller=control, probe_every=s.args.probe_every
@@ -621,9 +622,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--skewscout-drift-threshold",
         type=float,
         default=DRIFT_THRESHOLD,
-        help="consensus distance in gradient steps (squared) that shortens; 0: accuracy only",
+        help="local drift in gradient steps (squared) that shortens; 0: accuracy only",
     )
     parser.add_argument("--skewscout-max-period", type=int, default=16)
+    parser.add_argument(
+        "--skewscout-hysteresis",
+        type=float,
+        default=0.5,
+        help="SkewScout grows the period below this fraction of each threshold",
+    )
     parser.add_argument(
         "--dacfl-correction", type=float, default=0.5, help="DACFL's correction gain (1: paper)"
     )

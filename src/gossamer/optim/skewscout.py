@@ -29,20 +29,47 @@ with threshold :math:`\theta`, factor :math:`f` and hysteresis :math:`\rho \in [
 **Drift.** The accuracy loss measures skew, not the drift that a long period causes on
 IID data: there a peer's model scores like one's own on one's data even when the two have
 drifted apart, and :math:`\ell \approx 0` at every period. So each probe also measures the
-**consensus distance in step units**
+**local drift in step units**: the disagreement that the local steps between two averaging
+rounds add. Each rank keeps :math:`\Delta_i = x_i^{\text{pre}} - x_i^{\text{post}}`, from
+the model a round leaves (:math:`x_i^{\text{post}}`) to the model the next round starts
+from (:math:`x_i^{\text{pre}}`), over the :math:`\tau - 1` steps without communication
+between them (:math:`\Delta_i = 0` at :math:`\tau = 1`); the probe sends it with the model
+(as a count sketch of ``sketch_size`` numbers where the model is larger, see
+:class:`SkewScout`) and
 
 .. math::
 
-    D = \frac{\frac1n\sum_i \lVert x_i - x_{p(i)} \rVert^2}
+    D = \frac{\frac1n\sum_i \lVert \Delta_i - \Delta_{p(i)} \rVert^2}
              {\frac1n\sum_i \overline{\textstyle\sum_g \eta_g^2 \lVert g_{i,g} \rVert^2}},
 
-the squared distance to the probe peer over the mean squared plain gradient step
-(:math:`\eta_g` the learning rate of parameter group :math:`g`, averaged over the steps since
-the last probe): how many gradient steps apart, squared, the models are. On a ring of 8
-under IID data it grows about linearly with the period (about 10 at period 1, 20 at 2,
-30-80 at 4, 90-190 at 8). With a drift threshold :math:`\delta` both signals drive the
-rule: the period shrinks when :math:`\ell > \theta` or :math:`D > \delta` and grows only
-when :math:`\ell < \rho\theta` and :math:`D < \rho\delta`.
+the squared distance between the two ranks' local displacements over the mean squared
+plain gradient step (:math:`\eta_g` the learning rate of parameter group :math:`g`,
+averaged over the steps since the last probe): how many gradient steps apart, squared, the
+local steps of one period carry the models. All ranks take their rounds at the same steps,
+so both displacements cover the same steps. :math:`D` does not depend on the graph: the
+spread that a round leaves behind (which a slowly mixing graph carries over from round to
+round) cancels in :math:`\Delta_i - \Delta_{p(i)}`, and so does the phase of the probe
+within the period. The distance :math:`\lVert x_i - x_{p(i)} \rVert^2` at the probe, used
+before, did depend on both: on a ring of 8 under IID data the spread a round leaves is
+about half the spread before it, on exp-2 a sixth, so at periods 8 and 16 that distance
+was about 4 times smaller on exp-2 while the models' accuracy suffered as much.
+
+With a drift threshold :math:`\delta` both signals drive the rule: the period shrinks when
+:math:`\ell > \theta` or :math:`D > \delta` and grows only when :math:`\ell < \rho\theta`
+and the drift that the longer period would bring stays in the band,
+
+.. math::
+
+    \hat D = D\,\frac{f\tau - 1}{\tau - 1} < \rho\delta
+    \qquad (\hat D = D \text{ at } \tau = 1),
+
+:math:`D` extrapolated linearly from the :math:`\tau - 1` local steps it was measured over
+to the :math:`f\tau - 1` of the longer period. The drift grows at least that fast with the
+local steps (on the benchmark's IID digits, on either graph: 13 to 20 over 1 step, 25 to 60
+over 3, 95 to 190 over 7, about 300 over 15), so a plain band :math:`D < \rho\delta` would
+let the period grow into a drift above :math:`\delta` and come back at the next probe,
+again and again.
+
 The paper tunes the communication knob of each algorithm (Gaia's significance threshold,
 FedAvg's local steps, DGC's sparsity); here the knob is the period of any
 :class:`~gossamer.optim.DecentralizedOptimizer` (its ``num_steps_per_communication``).
@@ -102,9 +129,10 @@ class PeriodController:
     Args:
         threshold (float): :math:`\theta`, the accuracy loss (a fraction in ``[0, 1]``) above
             which the period shrinks.
-        drift_threshold (float, optional): :math:`\delta > 0`, the consensus distance in
-            step units (see the module) above which the period shrinks; ``None`` (the
-            default) ignores the drift.
+        drift_threshold (float, optional): :math:`\delta > 0`, the local drift in step
+            units (see the module) above which the period shrinks, and below
+            :math:`\rho\delta` of which the drift extrapolated to the longer period must stay
+            for it to grow; ``None`` (the default) ignores the drift.
         min_period (int): :math:`\tau_{\min} \ge 1`.
         max_period (int): :math:`\tau_{\max} \ge` ``min_period``.
         initial_period (int, optional): the first period; default ``min_period``.
@@ -162,6 +190,15 @@ class PeriodController:
             return -1
         return 0
 
+    def _drift_level(self, drift: float) -> int:
+        """The drift's vote: 1 above the threshold, -1 if the longer period's stays in band."""
+        if drift > self.drift_threshold:
+            return 1
+        local_steps = self.period - 1  # the steps between two rounds the drift covers
+        if local_steps:
+            drift *= (self.factor * self.period - 1) / local_steps
+        return min(0, self._level(drift, self.drift_threshold, self.hysteresis))
+
     def update(self, loss: float, drift: float | None = None) -> int:
         """Feed one measured accuracy loss (and drift, used with a drift threshold).
 
@@ -177,7 +214,7 @@ class PeriodController:
         level = self._level(loss, self.threshold, self.hysteresis)
         if self.drift_threshold is not None and drift is not None:
             # Either signal above its threshold shrinks; both below their bands grow.
-            level = max(level, self._level(drift, self.drift_threshold, self.hysteresis))
+            level = max(level, self._drift_level(drift))
         if level > 0:
             self.period = max(self.min_period, self.period // self.factor)
         elif level < 0:
@@ -226,14 +263,25 @@ class SkewScout:
     :class:`PeriodController` turns that into the wrapped optimizer's
     ``num_steps_per_communication``. Every rank holds the same period, so rounds still pair.
     The same probe gives the drift :math:`D` (see the module): :meth:`step` adds up
-    :math:`\sum_g \eta_g^2 \lVert g \rVert^2` of the gradients each step leaves, and the
-    squared distance to the received model is set against its mean; it is reduced with the
-    loss in the same allreduce and used where the controller has a ``drift_threshold``.
+    :math:`\sum_g \eta_g^2 \lVert g \rVert^2` of the gradients each step leaves and keeps
+    the local displacement :math:`\Delta_i` of the last period (a copy of the parameters
+    after each round, taken at the next step, after the wrapped optimizer has written the
+    round's result); the probe sends :math:`\Delta_i` with the model, and the squared
+    distance between the two displacements is set against the mean step; it is reduced with
+    the loss in the same allreduce and used where the controller has a ``drift_threshold``.
+    Where the model has more than ``sketch_size`` trainable numbers, :math:`\Delta_i` travels
+    as a count sketch :math:`C\Delta_i`, :math:`(C v)_b = \sum_{j: h(j) = b} s_j v_j`, with
+    buckets :math:`h(j)` uniform in ``[0, sketch_size)`` and signs :math:`s_j = \pm 1` drawn
+    from a generator seeded with the probe's index (the same on every rank), so
+    :math:`\lVert C\Delta_i - C\Delta_{p(i)} \rVert^2` estimates the squared distance
+    without bias (relative standard deviation about :math:`\sqrt{2/\text{sketch\_size}}` per
+    rank, less in the mean over ranks) for a few kilobytes instead of a second model.
 
     A new period takes effect at the next multiple of it (the wrapped optimizer communicates
     when its step count is a multiple of the period). A probe costs one model's bytes per
-    rank plus an allreduce of three floats; buffers (BatchNorm statistics) are not exchanged,
-    so ``evaluate`` sees the peer's parameters with this rank's buffers.
+    rank plus :math:`\Delta_i` (``sketch_size`` numbers, or a second model's bytes where the
+    model is smaller) plus an allreduce of three floats; buffers (BatchNorm statistics) are
+    not exchanged, so ``evaluate`` sees the peer's parameters with this rank's buffers.
 
     Args:
         optimizer (DecentralizedOptimizer): the averaging optimizer whose period is tuned
@@ -245,6 +293,8 @@ class SkewScout:
         controller (PeriodController, optional): the rule; default ``PeriodController()``.
         probe_every (int): steps between probes.
         reduce (str): ``"mean"`` or ``"max"`` of the ranks' losses.
+        sketch_size (int, optional): the count sketch's size for :math:`\Delta_i`; ``None``
+            sends :math:`\Delta_i` in full (an exact drift for a second model's bytes).
 
     Example:
         >>> atc = AdaptThenCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
@@ -261,6 +311,7 @@ class SkewScout:
         controller: PeriodController | None = None,
         probe_every: int = 20,
         reduce: str = "mean",
+        sketch_size: int | None = 256,
     ) -> None:
         if not isinstance(optimizer, DecentralizedOptimizer):
             raise TypeError(
@@ -285,6 +336,9 @@ class SkewScout:
         if reduce not in _REDUCTIONS:
             raise ValueError(f"reduce must be one of {_REDUCTIONS}; got {reduce!r}")
         self.reduce = reduce
+        self.sketch_size = (
+            None if sketch_size is None else _check_int(sketch_size, "sketch_size", 1)
+        )
         self.inner = optimizer
         self.model = optimizer.models[0]
         self.evaluate = evaluate
@@ -294,6 +348,12 @@ class SkewScout:
         self.last_loss: float | None = None
         self.last_drift: float | None = None
         self._step_sizes = [0.0, 0]  # sum of sum_g lr_g^2 |g|^2 since the last probe, count
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        # The model the last round left (at first: the model as given), the displacement
+        # from it to the model the next round started from, and whether a round just ended.
+        self._anchor = self._flat()
+        self._delta = torch.zeros_like(self._anchor)
+        self._round_ended = False
         optimizer.num_steps_per_communication = controller.period
 
     # ------------------------------------------------------------ torch.optim look-alike
@@ -317,11 +377,31 @@ class SkewScout:
 
     def step(self, closure=None):
         """The wrapped optimizer's step; every ``probe_every`` steps, a probe (collective)."""
+        is_round = self._next_is_round()
+        if self._round_ended and not is_round:
+            # The first step without communication after a round: the round's result is in
+            # the parameters once synchronized (ATC writes it in the forward pass: no wait).
+            # A step that is a round itself is skipped, so period 1 keeps its overlap.
+            self.inner.synchronize()
+            self._anchor = self._flat()
         loss = self.inner.step(closure)
         self._record_step_size()
         if self.inner.steps % self.probe_every == 0:
             self.probe()
+        if self._next_is_round():  # at the new period, if the probe changed it
+            # The next step ends with a round: this step's model is the one it starts from.
+            # (Zero when no step without communication lies between the two rounds.)
+            self._delta = (
+                torch.zeros_like(self._anchor) if is_round else self._flat() - self._anchor
+            )
+        self._round_ended = is_round
         return loss
+
+    def _next_is_round(self) -> bool:
+        return (self.inner.steps + 1) % self.inner.num_steps_per_communication == 0
+
+    def _flat(self) -> torch.Tensor:
+        return nn.utils.parameters_to_vector(self._params).detach().clone()
 
     # ------------------------------------------------------------ the probe
     def _record_step_size(self) -> None:
@@ -347,16 +427,20 @@ class SkewScout:
         Collective: every rank must call it at the same step (:meth:`step` does).
         """
         self.inner.synchronize()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        own = nn.utils.parameters_to_vector(params).detach().clone()
+        params = self._params
+        own = self._flat()
         if context.size() == 1:
-            peer = own
+            peer, peer_delta, own_delta = own, self._delta, self._delta
         else:
             src, dst = self._peers()
-            peer = ops.neighbor_allreduce(
-                own, self_weight=0.0, src_weights={src: 1.0}, dst_weights=[dst]
+            delta = self._sketch(self._delta)
+            sent = torch.cat([own, delta])
+            received = ops.neighbor_allreduce(
+                sent, self_weight=0.0, src_weights={src: 1.0}, dst_weights=[dst]
             )
-            self.probe_bytes += own.numel() * own.element_size()
+            peer, peer_delta = received[: own.numel()], received[own.numel() :]
+            self.probe_bytes += sent.numel() * sent.element_size()
+            own_delta = delta
         mine = self._accuracy()
         _write(peer, params)
         try:
@@ -365,7 +449,7 @@ class SkewScout:
             _write(own, params)
         total, count = self._step_sizes
         self._step_sizes = [0.0, 0]
-        distance = float((own.double() - peer.double()).pow(2).sum())
+        distance = float((own_delta.double() - peer_delta.double()).pow(2).sum())
         step_size = total / count if count else 0.0
         local = torch.tensor([mine - theirs, distance, step_size], dtype=torch.float64)
         if context.size() > 1:
@@ -375,12 +459,23 @@ class SkewScout:
                 local = ops.allgather(local.reshape(1, 3)).max(dim=0).values
         self.probes += 1
         self.last_loss = float(local[0])
-        # The ratio of the (mean or max) distance and step size: one number on every rank.
+        # The ratio of the (mean or max) drift and step size: one number on every rank.
         self.last_drift = float(local[1] / local[2]) if local[2] > 0 else 0.0
         self.inner.num_steps_per_communication = self.controller.update(
             self.last_loss, self.last_drift
         )
         return self.last_loss
+
+    def _sketch(self, delta: torch.Tensor) -> torch.Tensor:
+        """``delta``'s count sketch for this probe (``delta`` itself where it is no larger)."""
+        size = self.sketch_size
+        if size is None or delta.numel() <= size:
+            return delta
+        generator = torch.Generator().manual_seed(self.probes)
+        buckets = torch.randint(size, (delta.numel(),), generator=generator)
+        signs = torch.randint(2, (delta.numel(),), generator=generator).to(delta.dtype) * 2 - 1
+        sketch = torch.zeros(size, dtype=delta.dtype, device=delta.device)
+        return sketch.index_add_(0, buckets.to(delta.device), signs.to(delta.device) * delta)
 
     def _accuracy(self) -> float:
         was_training = self.model.training
@@ -407,6 +502,9 @@ class SkewScout:
                 "last_loss": self.last_loss,
                 "last_drift": self.last_drift,
                 "step_sizes": list(self._step_sizes),
+                "anchor": self._anchor.clone(),
+                "delta": self._delta.clone(),
+                "round_ended": self._round_ended,
                 "controller": self.controller.state_dict(),
             },
         }
@@ -428,6 +526,16 @@ class SkewScout:
         self.last_drift = ours.get("last_drift")
         total, count = ours.get("step_sizes", (0.0, 0))
         self._step_sizes = [float(total), int(count)]
+        for name in ("anchor", "delta"):
+            if name in ours:
+                value = torch.as_tensor(ours[name])
+                if value.shape != self._anchor.shape:
+                    raise ValueError(
+                        f"state['skewscout']['{name}'] has shape {tuple(value.shape)}; this "
+                        f"model's trainable parameters have {self._anchor.numel()} elements"
+                    )
+                setattr(self, f"_{name}", value.to(self._anchor).clone())
+        self._round_ended = bool(ours.get("round_ended", False))
         self.inner.num_steps_per_communication = self.controller.period
 
     def close(self) -> None:
