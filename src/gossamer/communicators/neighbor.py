@@ -35,6 +35,9 @@ class Scheduled(Communicator):
     it advances a fresh schedule to the same place.
     """
 
+    #: patterns that outlive dead peers set this from their ``elastic`` argument
+    elastic = False
+
     def __init__(
         self,
         *,
@@ -51,7 +54,7 @@ class Scheduled(Communicator):
 
     def _global_start(self, flat: torch.Tensor) -> Pending | None:
         """An allreduce; elastic patterns: Moshpit rounds among the live ranks."""
-        if getattr(self, "elastic", False):
+        if self.elastic:
             return elastic_global_average(flat, self.rounds)
         return super()._global_start(flat)
 

@@ -391,9 +391,10 @@ class SkewScout:
         if self._next_is_round():  # at the new period, if the probe changed it
             # The next step ends with a round: this step's model is the one it starts from.
             # (Zero when no step without communication lies between the two rounds.)
-            self._delta = (
-                torch.zeros_like(self._anchor) if is_round else self._flat() - self._anchor
-            )
+            if is_round:
+                self._delta.zero_()  # in place: at period 1 this runs every step
+            else:
+                self._delta = self._flat() - self._anchor
         self._round_ended = is_round
         return loss
 
