@@ -22,7 +22,13 @@ import time
 from pathlib import Path
 
 from benchmarks.netbench import report
-from benchmarks.netbench.cluster import Cluster, format_rate, parse_rates, preflight
+from benchmarks.netbench.cluster import (
+    CONGESTION,
+    Cluster,
+    format_rate,
+    parse_rates,
+    preflight,
+)
 from benchmarks.netbench.runner import run_job
 from benchmarks.netbench.worker import MODELS, STRATEGIES
 
@@ -61,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--accuracy-rate", help="the rate of the time-to-accuracy run")
     parser.add_argument("--accuracy-strategies", help="comma-separated, default: all")
+    parser.add_argument(
+        "--congestion",
+        default=CONGESTION,
+        help=f"TCP congestion control of the hosts (default {CONGESTION}); 'machine': keep "
+        "the machine's default",
+    )
     parser.add_argument("--out", default="results/netbench")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per job")
     return parser
@@ -91,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     accuracy: list[dict] = []
     start = time.monotonic()
     for rate in rates:
-        with Cluster(cfg["hosts"], rate) as cluster:
+        congestion = None if args.congestion == "machine" else args.congestion
+        with Cluster(cfg["hosts"], rate, congestion=congestion) as cluster:
             for per_host in layouts if models else []:
                 print(f"netbench: {format_rate(rate)}, {cfg['hosts']} hosts x {per_host} "
                       f"ranks ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
@@ -126,7 +139,11 @@ def _worker_args(cfg: dict, args: argparse.Namespace, per_host: int, models: lis
 
 def _markdown(preset, cfg, rows, accuracy, models, out: Path, seconds: float) -> str:
     """results.md: the throughput table and targets, the plots, the time-to-accuracy table."""
-    parts = [f"# netbench ({preset}): {cfg['hosts']} hosts, gloo; {seconds:.0f} s"]
+    used = sorted({str(r.get("congestion")) for r in rows + accuracy})
+    parts = [
+        f"# netbench ({preset}): {cfg['hosts']} hosts, gloo, TCP congestion control "
+        f"{', '.join(used)}; {seconds:.0f} s"
+    ]
     if rows:
         agg = report.aggregate(rows)
         targets = "\n".join(f"- {t}" for t in report.targets(agg))

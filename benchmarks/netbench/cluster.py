@@ -9,7 +9,8 @@ Every host's link is shaped with ``tc tbf`` in both directions: on ``eth0`` insi
 (what the host sends) and on ``vK`` inside the switch namespace (what it receives). Nothing
 is created in the root namespace, so removing the namespaces removes everything; the
 :class:`Cluster` context manager removes exactly the namespaces it created, also when the
-body raises or is interrupted (SIGINT, SIGTERM).
+body raises or is interrupted (SIGINT, SIGTERM). Hosts run TCP with ``congestion``
+(default cubic, Linux's own default) whatever the machine's default is.
 
 The pure parts (rate parsing, host plan, tc arguments) need neither root nor iproute2.
 """
@@ -21,6 +22,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 
 __all__ = [
@@ -36,6 +38,10 @@ __all__ = [
 
 SUBNET = "10.77.0"
 IFACE = "eth0"
+# Linux's default. Under bbr (some machines' default) a connection that idles every other
+# step, as the one-peer schedule's do, moved 21 MB in 207-215 ms against cubic's 192 ms
+# at 1 Gbit (docs/benchmarks.md, session 10).
+CONGESTION = "cubic"
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
@@ -143,6 +149,28 @@ def preflight() -> str | None:
     return None
 
 
+def _set_congestion(ns: list[str], name: str | None) -> str:
+    """Set the host's TCP congestion control to ``name`` (None: keep); return what it runs.
+
+    A namespace starts with the machine's default. Linux lets a namespace pick only
+    algorithms the machine allows to unprivileged users, so where ``name`` is refused
+    this warns and keeps the default, and the results record which one ran.
+    """
+    key = "net.ipv4.tcp_congestion_control"
+    if name is not None:
+        argv = [*ns, "sysctl", "-qw", f"{key}={name}"]
+        result = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if result.returncode:
+            allow = f'sysctl -w net.ipv4.tcp_allowed_congestion_control="... {name}"'
+            print(
+                f"netbench: {name} refused ({result.stderr.strip()}); the hosts keep the "
+                f"machine's congestion control (allow it with {allow})",
+                file=sys.stderr,
+            )
+    read = subprocess.run([*ns, "sysctl", "-n", key], capture_output=True, text=True, check=True)
+    return read.stdout.strip()
+
+
 def _sh(*argv: str) -> None:
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode:
@@ -155,8 +183,17 @@ class Cluster:
     Use as a context manager; :meth:`close` removes what :meth:`open` created.
     """
 
-    def __init__(self, hosts: int, rate: int | None, *, prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        hosts: int,
+        rate: int | None,
+        *,
+        prefix: str | None = None,
+        congestion: str | None = CONGESTION,
+    ) -> None:
         self.rate = rate
+        self.congestion = congestion
+        self.congestion_used: str | None = None  # what the hosts run, read back at open
         # The pid keeps concurrent runs apart; namespace names allow far more than this.
         self.prefix = prefix or f"gnb{os.getpid()}"
         self.switch = f"{self.prefix}-sw"
@@ -203,6 +240,7 @@ class Cluster:
         _sh(*ns, "ip", "link", "set", IFACE, "up")
         # Ranks on one host talk to each other over loopback.
         _sh(*ns, "ip", "link", "set", "lo", "up")
+        self.congestion_used = _set_congestion(ns, self.congestion)
         if self.rate is not None:
             _sh(*ns, "tc", "qdisc", "add", "dev", IFACE, "root", *tbf_args(self.rate))
             _sh(*sw, "tc", "qdisc", "add", "dev", host.switch_port, "root", *tbf_args(self.rate))

@@ -101,7 +101,7 @@ def host_egress_bytes(strategy: str, model_bytes: float, ranks: int, per_host: i
     if strategy in EXP2:
         return max(sum(m for r in range(h * p, h * p + p) for o in offsets if off_host(r, o))
                    for h in range(hosts))  # fmt: skip
-    if strategy in ONE_PEER:
+    if strategy in ONE_PEER or strategy.startswith("probe/"):
         # The schedule cycles through the offsets; average over one cycle.
         per_offset = [
             max(sum(m for r in range(h * p, h * p + p) if off_host(r, o)) for h in range(hosts))

@@ -59,7 +59,12 @@ def run_job(
     logs.mkdir(parents=True, exist_ok=True)
     result = out_dir / f"rows-{tag}.json"
     result.unlink(missing_ok=True)
-    meta = {"rate": cluster.rate, "hosts": len(hosts), "ranks_per_host": ranks_per_host}
+    meta = {
+        "rate": cluster.rate,
+        "hosts": len(hosts),
+        "ranks_per_host": ranks_per_host,
+        "congestion": cluster.congestion_used,
+    }
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "src")]))
     procs: list[tuple[subprocess.Popen, Path]] = []
     try:

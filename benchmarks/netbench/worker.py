@@ -215,6 +215,45 @@ class RawOverlapOnePeer(RawOnePeer):
         self.sgd.step()
 
 
+_GROUPS: list = []
+
+
+class ProbeExchange(RawOnePeer):
+    """``probe/<shift|swap>:c=<chunks>:g=<groups>``: the raw exchange of a fixed offset.
+
+    The flat model in ``chunks`` pieces (default 32), spread round-robin over ``groups``
+    gloo groups per direction (default 1; gloo opens one connection per group and pair),
+    receives posted first: how chunking and parallel connections change the wire time.
+    """
+
+    def __init__(self, sgd, model, spec: str) -> None:
+        super().__init__(sgd, model)
+        kind, *opts = spec.split(":")
+        kv = dict(o.split("=") for o in opts)
+        self.chunks, ngroups = int(kv.get("c", 32)), int(kv.get("g", 1))
+        while len(_GROUPS) < 2 * ngroups:  # collective, same order on every rank
+            _GROUPS.append(dist.new_group(list(range(gossamer.size()))))
+        self.up, self.down = _GROUPS[0:ngroups], _GROUPS[ngroups : 2 * ngroups]
+        self.schedule = _fixed_peer(1 if kind == "shift" else gossamer.size() // 2)
+
+    def _start(self) -> list:
+        torch.cat([p.detach().flatten() for p in self.params], out=self.flat)
+        step = next(self.schedule)
+        (dst,), (src,) = step.send_ranks, step.recv_ranks
+        rank = gossamer.rank()
+        out = self.down if rank > dst else self.up
+        into = self.down if src > rank else self.up
+        recvs = [
+            dist.irecv(c, src, into[k % len(into)], k)
+            for k, c in enumerate(self.recv.tensor_split(self.chunks))
+        ]
+        sends = [
+            dist.isend(c, dst, out[k % len(out)], k)
+            for k, c in enumerate(self.flat.tensor_split(self.chunks))
+        ]
+        return recvs + sends
+
+
 class GossamerExchange(RawOnePeer):
     """The exchange probe beside ``raw-exchange``: the same one-peer average.
 
@@ -346,6 +385,8 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         )
         raw.schedule = _fixed_peer(1 if strategy.endswith("shift") else size // 2)
         return model, raw
+    if strategy.startswith("probe/"):
+        return model, ProbeExchange(sgd, model, strategy.removeprefix("probe/"))
     if strategy == "raw-allreduce":
         return model, RawAllreduce(sgd, model)
     if strategy == "gossamer-exchange/one-peer":
@@ -399,7 +440,7 @@ def measure(model_name: str, strategy: str, args: argparse.Namespace) -> dict:
     def step() -> None:
         opt.zero_grad()
         # The exchange-only probe skips compute: SGD then steps nothing (no gradients).
-        if "exchange/" not in strategy:
+        if "exchange/" not in strategy and not strategy.startswith("probe/"):
             loss_fn(net(x), y).backward()
         opt.step()
 

@@ -87,3 +87,13 @@ def test_two_host_job(tmp_path):
     assert 0.9 * model < by["ddp"]["tx_bytes_per_step_per_rank"] < 1.3 * model
     assert 0.9 * model < by["atc/one-peer"]["tx_bytes_per_step_per_rank"] < 1.3 * model
     assert by["compute"]["tx_bytes_per_step_per_rank"] < 0.01 * model
+
+
+def test_hosts_run_the_congestion_control_asked_for():
+    # reno is the one algorithm every namespace may choose (the others may need the
+    # machine's permission, and then the machine's default is kept and reported).
+    with Cluster(2, None, prefix="gnbcc", congestion="reno") as cluster:
+        assert cluster.congestion_used == "reno"
+        for host in cluster.hosts:
+            key = "net.ipv4.tcp_congestion_control"
+            assert _in(cluster, host, "sysctl", "-n", key).stdout.strip() == "reno"
