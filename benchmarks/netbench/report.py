@@ -81,6 +81,11 @@ COMPRESSED = {
 
 def host_egress_bytes(strategy: str, model_bytes: float, ranks: int, per_host: int) -> float:
     """Bytes the busiest host sends per step under ``strategy`` (ranks placed contiguously)."""
+    if strategy.startswith("probe/"):  # probe/<kind>:...:r=<ratio> (worker.ProbeExchange)
+        kind, *opts = strategy.removeprefix("probe/").split(":")
+        ratio = float(dict(o.split("=") for o in opts).get("r", 1))
+        pattern = "ring-neighbours" if kind == "ring" else "raw-exchange/shift"
+        return host_egress_bytes(pattern, ratio * model_bytes, ranks, per_host)
     if strategy in COMPRESSED:
         pattern, ratio = COMPRESSED[strategy]
         if pattern == "allgather":
@@ -101,7 +106,7 @@ def host_egress_bytes(strategy: str, model_bytes: float, ranks: int, per_host: i
     if strategy in EXP2:
         return max(sum(m for r in range(h * p, h * p + p) for o in offsets if off_host(r, o))
                    for h in range(hosts))  # fmt: skip
-    if strategy in ONE_PEER or strategy.startswith("probe/"):
+    if strategy in ONE_PEER or strategy.startswith("awc-"):
         # The schedule cycles through the offsets; average over one cycle.
         per_offset = [
             max(sum(m for r in range(h * p, h * p + p) if off_host(r, o)) for h in range(hosts))

@@ -218,40 +218,49 @@ class RawOverlapOnePeer(RawOnePeer):
 _GROUPS: list = []
 
 
-class ProbeExchange(RawOnePeer):
-    """``probe/<shift|swap>:c=<chunks>:g=<groups>``: the raw exchange of a fixed offset.
+class ProbeExchange:
+    """``probe/<shift|swap|ring>:c=<chunks>:g=<groups>:r=<ratio>``: a raw exchange alone.
 
-    The flat model in ``chunks`` pieces (default 32), spread round-robin over ``groups``
-    gloo groups per direction (default 1; gloo opens one connection per group and pair),
-    receives posted first: how chunking and parallel connections change the wire time.
+    Every step sends ``ratio`` (default 1) times the model's bytes, in ``chunks`` pieces
+    (default 32) spread round-robin over ``groups`` gloo groups per direction (default 1;
+    gloo opens one connection per group and pair), receives posted first: to rank + 1
+    (``shift``), to rank + size/2 (``swap``), or the same buffer to both ring neighbours
+    (``ring``, the pattern of Bagua's low-precision ring). No compute, copy or average: the
+    wire time the strategies of the same run can be held against.
     """
 
-    def __init__(self, sgd, model, spec: str) -> None:
-        super().__init__(sgd, model)
+    def __init__(self, model: nn.Module, spec: str) -> None:
         kind, *opts = spec.split(":")
         kv = dict(o.split("=") for o in opts)
         self.chunks, ngroups = int(kv.get("c", 32)), int(kv.get("g", 1))
+        nbytes = int(float(kv.get("r", 1)) * param_bytes(model))
         while len(_GROUPS) < 2 * ngroups:  # collective, same order on every rank
             _GROUPS.append(dist.new_group(list(range(gossamer.size()))))
         self.up, self.down = _GROUPS[0:ngroups], _GROUPS[ngroups : 2 * ngroups]
-        self.schedule = _fixed_peer(1 if kind == "shift" else gossamer.size() // 2)
+        size, rank = gossamer.size(), gossamer.rank()
+        offsets = {"shift": [1], "swap": [size // 2], "ring": sorted({1, size - 1})}[kind]
+        self.dsts = [(rank + o) % size for o in offsets]
+        self.srcs = [(rank - o) % size for o in offsets]
+        self.sent = torch.zeros(nbytes, dtype=torch.uint8)
+        self.received = [torch.empty_like(self.sent) for _ in self.srcs]
 
-    def _start(self) -> list:
-        torch.cat([p.detach().flatten() for p in self.params], out=self.flat)
-        step = next(self.schedule)
-        (dst,), (src,) = step.send_ranks, step.recv_ranks
+    def zero_grad(self) -> None:
+        """Nothing to zero: the probe computes nothing."""
+
+    def step(self) -> None:
+        """Post every receive, then every send; wait for all."""
         rank = gossamer.rank()
-        out = self.down if rank > dst else self.up
-        into = self.down if src > rank else self.up
-        recvs = [
-            dist.irecv(c, src, into[k % len(into)], k)
-            for k, c in enumerate(self.recv.tensor_split(self.chunks))
-        ]
-        sends = [
-            dist.isend(c, dst, out[k % len(out)], k)
-            for k, c in enumerate(self.flat.tensor_split(self.chunks))
-        ]
-        return recvs + sends
+        works = []
+        for src, buf in zip(self.srcs, self.received, strict=True):
+            groups = self.down if src > rank else self.up
+            for k, c in enumerate(buf.tensor_split(self.chunks)):
+                works.append(dist.irecv(c, src, groups[k % len(groups)], k))
+        for dst in self.dsts:
+            groups = self.down if rank > dst else self.up
+            for k, c in enumerate(self.sent.tensor_split(self.chunks)):
+                works.append(dist.isend(c, dst, groups[k % len(groups)], k))
+        for work in works:
+            work.wait()
 
 
 class GossamerExchange(RawOnePeer):
@@ -365,11 +374,16 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         # ATC whose rounds go front of the model first after the first bucket (send_order).
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
         return model, optim.AdaptThenCombine(sgd, model, schedule=schedule, send_order="forward")
-    if strategy in ("awc/one-peer", "awc-one-bucket/one-peer"):
+    if strategy.startswith("awc") and strategy.endswith("/one-peer"):
         # awc-one-bucket: the whole model in one bucket (one exchange and one call header
-        # per step instead of one per 4 MiB bucket).
+        # per step instead of one per 8 MiB bucket); awc-<N>mb: buckets of N MiB.
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
-        fusion = {"fusion_threshold_bytes": 2**40} if "one-bucket" in strategy else {}
+        variant = strategy.removesuffix("/one-peer").removeprefix("awc").strip("-")
+        fusion = {}
+        if variant == "one-bucket":
+            fusion = {"fusion_threshold_bytes": 2**40}
+        elif variant:
+            fusion = {"fusion_threshold_bytes": int(float(variant.removesuffix("mb")) * 2**20)}
         return model, optim.AdaptWithCombine(sgd, model, schedule=schedule, **fusion)
     if strategy in ("raw/one-peer", "raw-exchange/one-peer"):
         return model, RawOnePeer(sgd, model)
@@ -386,7 +400,7 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         raw.schedule = _fixed_peer(1 if strategy.endswith("shift") else size // 2)
         return model, raw
     if strategy.startswith("probe/"):
-        return model, ProbeExchange(sgd, model, strategy.removeprefix("probe/"))
+        return model, ProbeExchange(model, strategy.removeprefix("probe/"))
     if strategy == "raw-allreduce":
         return model, RawAllreduce(sgd, model)
     if strategy == "gossamer-exchange/one-peer":

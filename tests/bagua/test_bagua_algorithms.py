@@ -54,7 +54,11 @@ def _gradient_allreduce(hierarchical=False, ddp=False):
     )
 
 
-def _decentralized(mode, hierarchical, interval):
+def _decentralized(mode, hierarchical, interval, segment_bytes=None):
+    if segment_bytes is not None:  # posted shift_one rounds in several segments
+        from gossamer.bagua import communicators
+
+        communicators.SEGMENT_BYTES = segment_bytes
     return _train(
         lambda: decentralized.DecentralizedAlgorithm(
             hierarchical=hierarchical, peer_selection_mode=mode, communication_interval=interval
@@ -85,6 +89,13 @@ def test_gradient_allreduce_is_ddp_every_step():
 def test_decentralized_matches_d_psgd(mode, interval):
     got = run_distributed(_decentralized, 4, args=(mode, False, interval))
     _check(got, decentralized_reference(4, STEPS, mode, interval))
+
+
+def test_posted_shift_one_in_segments_matches_d_psgd():
+    # segments of 20 bytes: each round of the model's weights travels in several pieces,
+    # each averaged as it arrives
+    got = run_distributed(_decentralized, 4, args=("shift_one", False, 1, 20))
+    _check(got, decentralized_reference(4, STEPS, "shift_one", 1))
 
 
 def test_decentralized_shift_one_on_an_odd_world():

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from gossamer import transport
 from gossamer.bagua._groups import BaguaProcessGroup, default_group
 from gossamer.bagua.communicators import CentralizedAllreduce, GroupCommunicator, PeerAverage
 from gossamer.fusion import Bucket
@@ -98,11 +99,22 @@ class DecentralizedSynchronousOp(_Op):
         self.peer_weight = peer_weight
 
     def run(self, bucket: BaguaBucket) -> None:
-        """``peer_weight <- W x`` for the bucket's current ``x``."""
+        """``peer_weight <- W x`` for the bucket's current ``x``.
+
+        A posted ``shift_one`` round averages each segment into ``peer_weight`` as it
+        arrives, while the later segments are on the wire.
+        """
         flat = bucket.pack()
-        result = self._round(flat)
+        self.communicator.next_round()
+        posted = self.communicator.post_segments(flat)
         with torch.no_grad():
-            self.peer_weight.copy_(result)
+            if posted is None:
+                pending = self.communicator.start(flat, 0)
+                self.peer_weight.copy_(flat if pending is None else pending.wait())
+                return
+            for piece, received, works in posted:
+                transport.wait_works("pair_gossip", works)
+                torch.add(flat[piece], received, out=self.peer_weight[piece]).div_(2)
 
     def copy_back_peer_weight(self, bucket: BaguaBucket) -> None:
         """Overwrite the bucket's tensors with the averaged ``peer_weight``."""

@@ -20,14 +20,17 @@ rank of a machine gets its machine's result (gossamer's machine layout;
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gossamer import context, ops
+from gossamer import context, ops, transport
 from gossamer.communicators import Communicator, Pending
+from gossamer.communicators.base import PostedState
 from gossamer.errors import TopologyError
 from gossamer.topology import Step
 from gossamer.transport import group_rank, group_size
@@ -216,6 +219,17 @@ class CentralizedAllreduce(GroupCommunicator):
         return Mapped(self._machines(flat, 1.0, others), lambda y: y.mul_(size))
 
 
+# Segments of a posted shift_one round (as gossamer's default fusion buckets), keyed apart
+# from the buckets that gossamer's optimizers post.
+SEGMENT_BYTES = 4 * 2**20
+_KEYS = 1 << 16
+
+
+def _segments(numel: int, pieces: int) -> list[slice]:
+    bounds = [numel * k // pieces for k in range(pieces + 1)]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+
 class PeerAverage(GroupCommunicator):
     r"""Bagua's decentralized full-precision op: average with all ranks or with one peer.
 
@@ -241,10 +255,42 @@ class PeerAverage(GroupCommunicator):
             )
         super().__init__(hierarchical=hierarchical, group=group)
         self.peer_selection_mode = peer_selection_mode
+        self._posted = PostedState()
 
     def peer(self) -> int | None:
         """This round's peer (a group or machine rank); None: no peer this round."""
         return shift_one_peer(self.me, self.nranks, max(self.rounds - 1, 0))
+
+    def post_segments(self, flat: torch.Tensor) -> list[tuple[slice, torch.Tensor, list]] | None:
+        """This round's ``shift_one`` exchange, posted in segments, for a communication job.
+
+        Returns ``(segment, received, work)`` per segment of :data:`SEGMENT_BYTES`: the
+        job waits for each segment's work (``transport.wait_works``) and averages it while
+        the later ones are still on the wire. None where rounds are not posted: ``"all"``,
+        ``hierarchical``, a sub-group, an odd world (a rank without a peer), or a tensor
+        that ``transport.can_post`` refuses; use :meth:`start` then.
+        """
+        if (
+            self.peer_selection_mode != "shift_one"
+            or self.hierarchical
+            or self.group is not None
+            or self.nranks % 2
+            or not transport.can_post(flat)
+        ):
+            return None
+        peer = self.peer()
+        assert peer is not None  # every rank has one in an even world
+        pieces = math.ceil(flat.nbytes / SEGMENT_BYTES)
+        posted = []
+        for key, piece in enumerate(_segments(flat.numel(), pieces)):
+            sent = flat[piece]
+            received = self._posted.buffer(key, 0, sent.numel(), sent.dtype)
+            check = self._posted.needs_check(key, (sent.dtype, sent.numel()))
+            works = transport.post_exchange_works(
+                "pair_gossip", sent, {peer: sent}, {peer: received}, key=_KEYS + key, check=check
+            )
+            posted.append((piece, received, works))
+        return posted
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         if self.peer_selection_mode == "all":

@@ -51,6 +51,7 @@ from gossamer.transport.posted import (
     can_post,
     post_allreduce,
     post_exchange,
+    post_exchange_works,
 )
 from gossamer.transport.rejection import gather_reasons, peer_argument_error, reject
 
@@ -115,6 +116,7 @@ __all__ = [
     "peer_argument_error",
     "post_allreduce",
     "post_exchange",
+    "post_exchange_works",
     "reject",
     "run",
     "staged",

@@ -39,7 +39,14 @@ from gossamer.transport.liveness import get_liveness
 from gossamer.transport.p2p import MAX_CHUNKS, check_same_call, post_chunks
 from gossamer.transport.payload import as_bytes
 
-__all__ = ["Posted", "PostedExchange", "can_post", "post_allreduce", "post_exchange"]
+__all__ = [
+    "Posted",
+    "PostedExchange",
+    "can_post",
+    "post_allreduce",
+    "post_exchange",
+    "post_exchange_works",
+]
 
 _FLOATS = (torch.float32, torch.float64)  # summed by gloo as they are (no widening)
 
@@ -180,15 +187,35 @@ def post_exchange(
         PeerError: ``check`` found that ranks posted different tensors.
         RankLostError: a rank was lost earlier.
     """
+    end_span = timeline.begin(op, "communicating")
+    works = post_exchange_works(op, tensor, sends, receives, key=key, check=check, codec=codec)
+    return PostedExchange(_waiter(op, works, end_span), receives)
+
+
+def post_exchange_works(
+    op: str,
+    tensor: torch.Tensor,
+    sends: dict[int, torch.Tensor],
+    receives: dict[int, torch.Tensor],
+    *,
+    key: int,
+    check: bool,
+    codec: int = 0,
+) -> list[tuple[int, dist.Work]]:
+    """:func:`post_exchange` for a job of the communication thread: the posted work.
+
+    The job waits for it itself (:func:`~gossamer.transport.failures.wait_works`, under the
+    thread's stall watchdog), so it can post several exchanges before waiting for the
+    first, and work on each as it completes.
+    """
     live = _check_live(op)
     group, reverse = _group(), _reverse_group()
     if check:
         check_same_call(op, tensor, group, aux=key, codec=codec)
-    end_span = timeline.begin(op, "communicating")
     sent = [(d, as_bytes(t)) for d, t in sends.items()]
     received = [(s, as_bytes(t)) for s, t in receives.items()]
     works = _posting(
         op, live, lambda: post_chunks(sent, received, group, key * MAX_CHUNKS, reverse=reverse)
     )
     count_sent(op, sum(t.nbytes for _, t in sent))
-    return PostedExchange(_waiter(op, works, end_span), receives)
+    return works
