@@ -187,9 +187,8 @@ def post_exchange(
         PeerError: ``check`` found that ranks posted different tensors.
         RankLostError: a rank was lost earlier.
     """
-    end_span = timeline.begin(op, "communicating")
     works = post_exchange_works(op, tensor, sends, receives, key=key, check=check, codec=codec)
-    return PostedExchange(_waiter(op, works, end_span), receives)
+    return PostedExchange(_waiter(op, works, timeline.begin(op, "communicating")), receives)
 
 
 def post_exchange_works(
