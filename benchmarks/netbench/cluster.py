@@ -149,6 +149,21 @@ def preflight() -> str | None:
     return None
 
 
+# Run inside a host: set its congestion control to argv[1] if given; print what it runs.
+# Python rather than sysctl(8), which a bare machine may lack.
+_CONGESTION_SCRIPT = """
+import sys
+path = "/proc/sys/net/ipv4/tcp_congestion_control"
+if len(sys.argv) > 1:
+    try:
+        with open(path, "w") as f:
+            f.write(sys.argv[1])
+    except OSError as err:
+        print(err, file=sys.stderr)
+print(open(path).read().strip())
+"""
+
+
 def _set_congestion(ns: list[str], name: str | None) -> str:
     """Set the host's TCP congestion control to ``name`` (None: keep); return what it runs.
 
@@ -156,19 +171,16 @@ def _set_congestion(ns: list[str], name: str | None) -> str:
     algorithms the machine allows to unprivileged users, so where ``name`` is refused
     this warns and keeps the default, and the results record which one ran.
     """
-    key = "net.ipv4.tcp_congestion_control"
-    if name is not None:
-        argv = [*ns, "sysctl", "-qw", f"{key}={name}"]
-        result = subprocess.run(argv, capture_output=True, text=True, check=False)
-        if result.returncode:
-            allow = f'sysctl -w net.ipv4.tcp_allowed_congestion_control="... {name}"'
-            print(
-                f"netbench: {name} refused ({result.stderr.strip()}); the hosts keep the "
-                f"machine's congestion control (allow it with {allow})",
-                file=sys.stderr,
-            )
-    read = subprocess.run([*ns, "sysctl", "-n", key], capture_output=True, text=True, check=True)
-    return read.stdout.strip()
+    argv = [*ns, sys.executable, "-c", _CONGESTION_SCRIPT, *([name] if name else [])]
+    result = subprocess.run(argv, capture_output=True, text=True, check=True)
+    if result.stderr.strip():
+        allow = f'sysctl -w net.ipv4.tcp_allowed_congestion_control="... {name}"'
+        print(
+            f"netbench: {name} refused ({result.stderr.strip()}); the hosts keep the "
+            f"machine's congestion control (allow it with {allow})",
+            file=sys.stderr,
+        )
+    return result.stdout.strip()
 
 
 def _sh(*argv: str) -> None:

@@ -113,7 +113,7 @@ class DecentralizedSynchronousOp(_Op):
                 self.peer_weight.copy_(flat if pending is None else pending.wait())
                 return
             for piece, received, works in posted:
-                transport.wait_works("pair_gossip", works)
+                transport.wait_works(self.communicator.posted_op, works)
                 torch.add(flat[piece], received, out=self.peer_weight[piece]).div_(2)
 
     def copy_back_peer_weight(self, bucket: BaguaBucket) -> None:

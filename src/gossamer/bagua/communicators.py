@@ -244,6 +244,8 @@ class PeerAverage(GroupCommunicator):
     """
 
     name = "bagua_peer_average"
+    #: the operation a posted round's errors and bytes are named for (transport.header.OPS)
+    posted_op = "pair_gossip"
 
     def __init__(
         self, peer_selection_mode: str = "all", *, hierarchical: bool = False, group=None
@@ -287,7 +289,7 @@ class PeerAverage(GroupCommunicator):
             received = self._posted.buffer(key, 0, sent.numel(), sent.dtype)
             check = self._posted.needs_check(key, (sent.dtype, sent.numel()))
             works = transport.post_exchange_works(
-                "pair_gossip", sent, {peer: sent}, {peer: received}, key=_KEYS + key, check=check
+                self.posted_op, sent, {peer: sent}, {peer: received}, key=_KEYS + key, check=check
             )
             posted.append((piece, received, works))
         return posted
