@@ -98,6 +98,31 @@ def test_posted_shift_one_in_segments_matches_d_psgd():
     _check(got, decentralized_reference(4, STEPS, "shift_one", 1))
 
 
+def _buffers_per_step():
+    bagua.init_process_group()
+    m = model(bagua.get_rank())
+    opt = sgd(m)
+    net = m.with_bagua([opt], decentralized.DecentralizedAlgorithm(hierarchical=False))
+    x, y = data(bagua.get_rank())
+    out = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss(net, x, y).backward()
+        opt.step()
+        (bucket,) = net.bagua_buckets
+        out.append((next(m.parameters()).data_ptr(), bucket.check_flatten()))
+    return out
+
+
+def test_decentralized_weights_trade_buffers_with_peer_weight():
+    # the averaged weights are swapped in rather than copied back: two buffers alternate,
+    # and the weights stay one flat buffer (the steps' values: the tests above)
+    for steps in run_distributed(_buffers_per_step, 2):
+        pointers = [p for p, _ in steps]
+        assert all(flattened for _, flattened in steps)
+        assert pointers[0] == pointers[2] != pointers[1] == pointers[3]
+
+
 def test_decentralized_shift_one_on_an_odd_world():
     # 3 ranks: Bagua refuses; here the rank matched with a phantom 4th rank keeps its value
     got = run_distributed(_decentralized, 3, args=("shift_one", False, 1))

@@ -120,6 +120,18 @@ class DecentralizedSynchronousOp(_Op):
         """Overwrite the bucket's tensors with the averaged ``peer_weight``."""
         bucket.unpack(self.peer_weight)
 
+    def swap_in_peer_weight(self, bucket: BaguaBucket) -> None:
+        """Make the averaged ``peer_weight`` the bucket's tensors, as a copy back would.
+
+        A bucket flattened in place trades buffers with ``peer_weight`` (no model-sized
+        copy); ``peer_weight`` is then the old buffer, which the next round overwrites.
+        Otherwise it copies back.
+        """
+        if bucket.flatten and bucket.check_flatten():
+            self.peer_weight = bucket.swap_flat(self.peer_weight)
+        else:
+            self.copy_back_peer_weight(bucket)
+
 
 class LowPrecisionDecentralizedSynchronousOp(_Op):
     """The compressed difference ring: the weights become their public replica."""
@@ -256,6 +268,18 @@ class BaguaBucket:
             for i, (t, view) in enumerate(zip(self._all, self._fused.views, strict=True)):
                 if not self._in_place(i):
                     _writable(t).copy_(view)
+
+    def swap_flat(self, flat: torch.Tensor) -> torch.Tensor:
+        """Re-point the effective tensors into ``flat`` (no copy); return the old buffer.
+
+        For a bucket flattened in place (:meth:`check_flatten`); ``flat`` is laid out like
+        the bucket, and the tensors take its values.
+        """
+        old = self._fused.flat
+        self._fused.rebase(flat)
+        for t, view in zip(self._all, self._fused.views, strict=True):
+            t.bagua_set_storage(flat.untyped_storage(), view.storage_offset())
+        return old
 
     def add_to_effective(self, flat: torch.Tensor) -> None:
         """Add the slices of ``flat`` (laid out like the bucket) to the effective tensors."""

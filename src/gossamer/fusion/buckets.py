@@ -28,9 +28,31 @@ class Bucket:
             sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device
         )
         self.views: list[torch.Tensor] = []
+        self.rebase(self.flat)
+
+    def rebase(self, flat: torch.Tensor) -> None:
+        """Make ``flat`` the buffer (its values are kept; the views are re-made over it).
+
+        Raises:
+            ValueError: ``flat`` is not a contiguous 1-d tensor of this bucket's size, dtype
+                and device.
+        """
+        if (
+            flat.dim() != 1
+            or not flat.is_contiguous()
+            or flat.numel() != sum(t.numel() for t in self.tensors)
+            or (flat.dtype, flat.device) != (self.tensors[0].dtype, self.tensors[0].device)
+        ):
+            raise ValueError(
+                f"flat must be a contiguous 1-d {self.tensors[0].dtype} tensor of "
+                f"{sum(t.numel() for t in self.tensors)} elements on {self.tensors[0].device}; "
+                f"got shape {tuple(flat.shape)}, {flat.dtype} on {flat.device}"
+            )
+        self.flat = flat
+        self.views = []
         offset = 0
-        for t in tensors:
-            self.views.append(self.flat[offset : offset + t.numel()].view_as(t))
+        for t in self.tensors:
+            self.views.append(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
     @property

@@ -118,7 +118,7 @@ class DecentralizedAlgorithmImpl(_Interval):
             if self._should_communicate(bagua_ddp):
                 bagua_ddp._bagua_backend.wait_pending_comm_ops()
                 for bucket in bagua_ddp.bagua_buckets:
-                    bucket._decentralized_op.copy_back_peer_weight(bucket)
+                    bucket._decentralized_op.swap_in_peer_weight(bucket)
 
         return hook
 
