@@ -17,13 +17,15 @@ mass, and what was pushed to it, is lost; :math:`z` stays a weighted average of 
 survivors' values). Win-put, plain or compressed, on a static topology or a schedule,
 combines with the weights of :meth:`Topology.without(dead)
 <gossamer.topology.Topology.without>`; the compressed combine's own copy
-:math:`\hat x_i` is then the mean over the live destinations' copies only.
+:math:`\hat x_i` then weighs the live destinations' copies only, by that topology's
+weights.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -75,7 +77,7 @@ class _WindowGossip(Scheduled):
         self.windows = [
             Window.create(
                 b.flat.clone() if self.push_sum else b.flat,
-                zero_init=self.push_sum,
+                zero_init=self._zero_slots(),
                 push_sum=self.push_sum,
                 name=f"{prefix}.{i}",
                 topology=self.topology,
@@ -83,6 +85,10 @@ class _WindowGossip(Scheduled):
             )
             for i, b in enumerate(buckets)
         ]
+
+    def _zero_slots(self) -> bool:
+        """Whether the window slots start at zero (else as copies of this rank's tensor)."""
+        return self.push_sum
 
     def destinations(self, window: Window, share: float = 1.0) -> dict[int, float]:
         """This round's ``{destination: weight}`` (explicit, scheduled, or every out-neighbour).
@@ -162,18 +168,34 @@ class WindowPutGossip(_WindowGossip):
     just packed. :meth:`start` returns at once; ``wait()`` waits for this rank's puts and
     returns the combine of the window with the neighbours' latest copies.
 
-    With ``compression`` each put sends a compressed delta against the copy
-    :math:`\hat x_i` the destination holds (:meth:`~gossamer.windows.Window.put`), and the
-    combine is CHOCO-gossip's (Koloskova et al., 2019) with consensus step :math:`\gamma`:
+    With ``compression`` each put sends a compressed delta of :math:`x_i` against the copy
+    :math:`h_{i \to d}` that destination :math:`d` holds (:meth:`~gossamer.windows.Window.put`),
+    and the slot :math:`b_j` of source :math:`j` holds :math:`h_{j \to i}`. When every put
+    of the round has weight 1 (a static topology, or a schedule such as
+    :func:`~gossamer.topology.one_peer_exponential`), the combine is CHOCO-gossip's
+    (Koloskova et al., 2019) with consensus step :math:`\gamma`, over per-destination copies:
 
-    .. math:: x_i \leftarrow x_i + \gamma \sum_j w_{ji} (\hat x_j - \hat x_i)
-        = x_i + \gamma \Big(\big(w_{ii} x_i + \sum_j w_{ji} b_j\big) - x_i
-        + (1 - w_{ii})(x_i - \hat x_i)\Big),
+    .. math:: x_i \leftarrow x_i + \gamma \Big(\big(w_{ii} x_i + \sum_j w_{ji} b_j\big) - x_i
+        + (1 - w_{ii})(x_i - \hat x_i)\Big), \qquad
+        \hat x_i = \frac{\sum_d w_{id} h_{i \to d}}{\sum_d w_{id}},
 
-    which, unlike :math:`w_{ii} x_i + \sum_j w_{ji} \hat x_j`, keeps the average of the
-    ranks' values for a doubly stochastic :math:`W` while the copies trail the values
-    (:math:`\hat x_i` is the mean of this rank's per-destination copies). With a schedule
-    the puts are weighted and the plain combine is used.
+    with :math:`w_{id}` the weight destination :math:`d` applies to this rank (its
+    ``recv_weights``) and :math:`d` over every out-neighbour of the window's topology, not
+    only this round's (the slots persist). For a doubly stochastic :math:`W`,
+    :math:`\sum_d w_{id} = 1 - w_{ii}` and the update is :math:`\gamma \big(\sum_j w_{ji}
+    h_{j \to i} - \sum_d w_{id} h_{i \to d}\big)`: summed over the ranks, every edge's copy
+    is added once and taken once, so the ranks' average is kept every round, whichever
+    destinations the round put to, provided that every put of the round has landed before
+    any rank combines. The plain combine :math:`w_{ii} x_i + \sum_j w_{ji} b_j` on copies
+    that trail the values does not keep it. On a regular graph :math:`\hat x_i` is the
+    mean of this rank's copies.
+
+    With a schedule the slots start at zero, as the copies do before the first put: a slot
+    that no round has reached yet would otherwise hold this rank's own start, which its
+    source's copy does not. Explicit ``dst_weights`` of 1 to some out-neighbours combine
+    the same way, but their slots start as this rank's tensor, so the average is kept from
+    the round by which every edge has carried a put. Other ``dst_weights`` make the copies
+    track :math:`w_d x_i`, which no combine averages: the plain combine is used then.
 
     Args:
         topology (Topology, optional): the windows' graph (default: the default topology).
@@ -200,7 +222,7 @@ class WindowPutGossip(_WindowGossip):
         super().__init__(topology, schedule=schedule, prefix=prefix, elastic=elastic)
         compressor = get_compressor(compression)
         self.compression: Compressor | None = None if compressor.name == "none" else compressor
-        self._survivors: tuple[frozenset[int], tuple] = (frozenset(), (None, None))
+        self._mixing: tuple[frozenset[int], _Mixing] | None = None  # per set of dead ranks
         if gamma is None:
             gamma = default_gamma(compressor)
         if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not 0 < gamma <= 1:
@@ -221,40 +243,76 @@ class WindowPutGossip(_WindowGossip):
             if saved is not None:
                 window.load_compression_state(saved)
 
+    def _zero_slots(self) -> bool:
+        # A scheduled round leaves slots as they are: each must hold its copy from the start.
+        return self.compression is not None and self.schedule is not None
+
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         window = self.windows[index]
-        put = window.put(
-            dst_weights=self.destinations(window), async_op=True, compression=self.compression
-        )
-        corrected = self.compression is not None and self.step is None and not self.dst_weights
-        gamma = self.gamma if corrected else None
-        return _PutRound(put, window, gamma, self._weights(window), self.dead)
+        destinations = self.destinations(window)
+        put = window.put(dst_weights=destinations, async_op=True, compression=self.compression)
+        # Weighted puts make the copies track w_d x: there is no average to keep.
+        unit = all(w == 1.0 for w in destinations.values())
+        gamma = self.gamma if self.compression is not None and unit else None
+        return _PutRound(put, window, gamma, self._weights(window))
 
-    def _weights(self, window: Window) -> tuple:
-        """``(self_weight, src_weights)`` of the combine: the topology's without the dead."""
-        if not self.dead:
-            return None, None
-        if self._survivors[0] != self.dead:
-            me = context.rank()
-            self._survivors = (self.dead, window.topology.without(self.dead).recv_weights(me))
-        return self._survivors[1]
+    def _weights(self, window: Window) -> _Mixing:
+        """The combine's weights among the live ranks, computed once per set of dead ranks."""
+        if self._mixing is None or self._mixing[0] != self.dead:
+            self._mixing = (self.dead, _Mixing.among_live(window.topology, self.dead))
+        return self._mixing[1]
+
+
+class _Mixing(NamedTuple):
+    """This rank's weights in the combine, among the live ranks."""
+
+    self_weight: float
+    src_weights: dict[int, float] | None  # None: the window topology's (no rank is dead)
+    copy_weights: dict[int, float]  # live out-neighbour d: w_id / sum of the w_id'
+
+    @classmethod
+    def among_live(cls, graph: Topology, dead: frozenset[int]) -> _Mixing:
+        """The weights of ``graph``, or of ``graph.without(dead)`` when a rank is dead."""
+        me = context.rank()
+        live = graph.without(dead) if dead else graph
+        self_weight, src_weights = live.recv_weights(me)
+        _, sent = live.send_weights(me)
+        total = sum(sent.values())
+        copies = {d: w / total for d, w in sent.items()}
+        return cls(self_weight, src_weights if dead else None, copies)
+
+    def update(self, window: Window) -> torch.Tensor:
+        r"""The plain combine :math:`w_{ii} x + \sum_j w_{ji} b_j`, in place."""
+        self_weight = None if self.src_weights is None else self.self_weight
+        return window.update(
+            self_weight=self_weight, src_weights=self.src_weights, require_mutex=True
+        )
+
+    def own_copy(self, window: Window, like: torch.Tensor) -> torch.Tensor:
+        r""":math:`\hat x_i = \sum_d a_d h_{i \to d}` with :math:`a_d` the copy weights.
+
+        A copy not yet put counts as zero, as its slot at ``d`` does. With equal shares this
+        is the sum of the copies divided by their number, as the mean of the copies always
+        was (the same bits on regular graphs).
+        """
+        shares = self.copy_weights
+        held = [(d, c) for d, c in window.sent_copies().items() if d in shares]
+        if not held:
+            return torch.zeros_like(like)
+        if len(set(shares.values())) == 1:
+            own = sum(c for _, c in held) / len(shares)
+        else:
+            own = sum(shares[d] * c for d, c in held)
+        return own.to(like.device)
 
 
 class _PutRound(Deferred):
     """A put in flight: :meth:`sent` waits for it alone, ``wait()`` also combines."""
 
-    def __init__(
-        self,
-        put: Handle,
-        window: Window,
-        gamma: float | None = None,
-        weights: tuple = (None, None),
-        dead: frozenset[int] = frozenset(),
-    ) -> None:
+    def __init__(self, put: Handle, window: Window, gamma: float | None, mixing: _Mixing) -> None:
         self.put = put
         self.gamma = gamma  # None: the plain combine
-        self.weights = weights  # (self_weight, src_weights); None: the window topology's
-        self.dead = dead  # destinations whose copies no longer count (elastic)
+        self.mixing = mixing
         super().__init__(lambda: self._combine(window))
 
     def sent(self) -> None:
@@ -263,20 +321,14 @@ class _PutRound(Deferred):
 
     def _combine(self, window: Window) -> torch.Tensor:
         self.put.wait()
-        self_weight, src_weights = self.weights
         if self.gamma is None:
-            return window.update(
-                self_weight=self_weight, src_weights=src_weights, require_mutex=True
-            )
+            return self.mixing.update(window)
         x = window.tensor.detach().clone()
-        out = window.update(self_weight=self_weight, src_weights=src_weights, require_mutex=True)
-        copies = [c for d, c in window.sent_copies().items() if d not in self.dead]
+        out = self.mixing.update(window)
         with torch.no_grad():
-            if copies:
-                own = (sum(copies) / len(copies)).to(x.device)
-                if self_weight is None:
-                    self_weight, _ = window.topology.recv_weights(context.rank())
-                out.add_(x - own, alpha=1.0 - self_weight)
+            if self.mixing.copy_weights:  # x + (1 - w_ii)(x - own copy)
+                own = self.mixing.own_copy(window, x)
+                out.add_(x - own, alpha=1.0 - self.mixing.self_weight)
             if self.gamma != 1.0:  # x + gamma (combined - x)
                 out.sub_(x).mul_(self.gamma).add_(x)
         return out
