@@ -177,6 +177,9 @@ def aggregate(rows: list[dict]) -> list[dict]:
                 "samples_max": max(rates),
                 "step_s": statistics.median(m["step_s"] for m in members),
                 "tx_bytes": statistics.median(m["tx_bytes_per_step_per_rank"] for m in members),
+                # rows written before these were recorded have none
+                "user_s": _median_of(members, "user_cpu_s_per_step_per_rank"),
+                "sys_s": _median_of(members, "sys_cpu_s_per_step_per_rank"),
             }
         )
     by_group = {(r["rate"], r["model"], r["hosts"], r["ranks_per_host"], r["strategy"]): r
@@ -202,6 +205,11 @@ def aggregate(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _median_of(members: list[dict], key: str) -> float | None:
+    values = [m[key] for m in members if key in m]
+    return statistics.median(values) if values else None
+
+
 def _fmt(value, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
@@ -210,8 +218,8 @@ def markdown_table(agg: list[dict]) -> str:
     """The aggregated rows as a markdown table."""
     lines = [
         "| rate | model | hosts x ranks | strategy | samples/s median [min-max] | step ms | "
-        "MB sent/step/rank | comm ms | link util | vs DDP | ceiling samples/s |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "MB sent/step/rank | comm ms | link util | CPU ms user+sys | vs DDP | ceiling samples/s |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in agg:
         lines.append(
@@ -219,6 +227,7 @@ def markdown_table(agg: list[dict]) -> str:
             f"{r['strategy']} | {r['samples_per_s']:.1f} [{r['samples_min']:.1f}-"
             f"{r['samples_max']:.1f}] | {r['step_s'] * 1e3:.1f} | {r['tx_bytes'] / 1e6:.2f} | "
             f"{_fmt(r['comm_s'], '.1f', 1e3)} | {_fmt(r['utilisation'], '.0%')} | "
+            f"{_fmt(r['user_s'], '.1f', 1e3)}+{_fmt(r['sys_s'], '.1f', 1e3)} | "
             f"{_fmt(r['vs_ddp'], '.2f')} | {_fmt(r['ceiling'], '.1f')} |"
         )
     return "\n".join(lines)
@@ -227,7 +236,10 @@ def markdown_table(agg: list[dict]) -> str:
 COLUMNS = (
     "comm ms: step time minus the `compute` step (the same step without communication), i.e."
     " the communication left exposed. link util: bytes a host sends per step / (rate x comm"
-    " ms); above 100% means that overlap with backward hid part of the transfer."
+    " ms); above 100% means that overlap with backward hid part of the transfer. CPU ms: the"
+    " user and system CPU time of one rank's process (all its threads) per step, mean over"
+    " ranks; where ranks share cores, the ranks' CPU time over the number of cores is a"
+    " lower bound on the step."
 )
 
 

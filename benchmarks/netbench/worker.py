@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -466,12 +467,14 @@ def measure(model_name: str, strategy: str, args: argparse.Namespace) -> dict:
     # One reader per host: every rank of a host shares its link.
     reader = gossamer.local_rank() == 0
     tx0 = _tx_bytes(args.interface) if reader else 0
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     if hasattr(opt, "synchronize"):
         opt.synchronize()
     elapsed = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     gossamer.barrier()
     tx = _tx_bytes(args.interface) - tx0 if reader else 0
     release(strategy, opt)
@@ -479,6 +482,15 @@ def measure(model_name: str, strategy: str, args: argparse.Namespace) -> dict:
     slowest = torch.tensor([elapsed], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     total_tx = gossamer.allreduce(torch.tensor([float(tx)], dtype=torch.float64), average=False)
+    # Where a step's time goes on shared cores: this process's CPU (all its threads) and
+    # its page faults (fresh model-sized tensors fault in every page), mean over ranks.
+    spent = [
+        usage.ru_utime - usage0.ru_utime,
+        usage.ru_stime - usage0.ru_stime,
+        float(usage.ru_minflt - usage0.ru_minflt),
+    ]
+    per_rank = torch.tensor(spent, dtype=torch.float64)
+    user_s, sys_s, faults = (gossamer.allreduce(per_rank) / args.steps).tolist()
     step_s = float(slowest) / args.steps
     return {
         "model": model_name,
@@ -489,6 +501,9 @@ def measure(model_name: str, strategy: str, args: argparse.Namespace) -> dict:
         "step_s": step_s,
         "samples_per_s": gossamer.size() * args.batch / step_s,
         "tx_bytes_per_step_per_rank": float(total_tx) / args.steps / gossamer.size(),
+        "user_cpu_s_per_step_per_rank": user_s,
+        "sys_cpu_s_per_step_per_rank": sys_s,
+        "page_faults_per_step_per_rank": faults,
     }
 
 
