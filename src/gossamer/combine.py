@@ -62,6 +62,7 @@ def weighted_sum(
     self_weight: float | None,
     received: Mapping[int, torch.Tensor],
     weights: Mapping[int, float] | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``self_weight * x + sum_s weights[s] * received[s]``; uniform when ``weights`` is None.
 
@@ -69,25 +70,25 @@ def weighted_sum(
     sum first, then divide, which is exact where multiplying by ``1/(k+1)`` would round
     (BlueFog computes it this way). Sources are added in ascending rank order. float16 and
     bfloat16 are combined in float32, integers and bool in float64 (then rounded); the
-    result has ``x``'s dtype and never aliases ``x``.
+    result has ``x``'s dtype and never aliases ``x``. ``out`` (x's shape and dtype, not
+    ``x``) receives a float32 or float64 result instead of a new tensor.
     """
     wide = _wide(x.dtype)
+    into = out if wide == x.dtype else None
     if weights is None:
         sources = sorted(received)
-        # The first addition allocates the output, saving a separate copy of x.
-        out = (
-            torch.add(x.to(wide), received[sources[0]].to(wide))
-            if sources
-            else x.to(wide, copy=True)
-        )
+        if not sources:
+            return x.to(wide, copy=True) if into is None else into.copy_(x)
+        # The first addition writes the output, saving a separate copy of x.
+        result = torch.add(x.to(wide), received[sources[0]].to(wide), out=into)
         for src in sources[1:]:
-            out.add_(received[src])
-        out.div_(len(received) + 1)
+            result.add_(received[src])
+        result.div_(len(received) + 1)
     else:
-        out = torch.mul(x.to(wide), self_weight)
+        result = torch.mul(x.to(wide), self_weight, out=into)
         for src in sorted(weights):
-            out.add_(received[src].to(wide), alpha=weights[src])
-    return _narrow(out, x.dtype)
+            result.add_(received[src].to(wide), alpha=weights[src])
+    return _narrow(result, x.dtype)
 
 
 def scale(x: torch.Tensor, weight: float) -> torch.Tensor:

@@ -85,6 +85,10 @@ class Scheduled(Communicator):
 class NeighborAllreduce(Scheduled):
     r"""Each round: :math:`x_i \leftarrow w_{ii} x_i + \sum_j w_{ji} x_j` over in-neighbours.
 
+    A round on a host float tensor returns a buffer kept for its bucket: the bucket's next
+    round overwrites it, so consume (or copy) a result before starting the next round on
+    the same bucket, as the optimizers do.
+
     Args:
         topology (Topology, optional): static graph (default: the group's default topology).
         schedule (Iterator[Step], optional): a dynamic topology; each round takes the next
@@ -193,7 +197,8 @@ class NeighborAllreduce(Scheduled):
         """This round posted from the caller's thread (:func:`gossamer.transport.post_exchange`).
 
         The combine is :func:`gossamer.neighbor_allreduce`'s: uniform weights sum first,
-        then divide.
+        then divide. It is written into a buffer kept for the bucket, which its next round
+        overwrites: a fresh model-sized tensor per round costs its page faults every time.
         """
         receives = {
             s: self._posted.buffer(index, slot, flat.numel(), flat.dtype)
@@ -203,7 +208,8 @@ class NeighborAllreduce(Scheduled):
         sends = scaled_copies(flat, dsts)
         exchange = transport.post_exchange(self.name, flat, sends, receives, key=index, check=check)
         mix = None if is_uniform(self_weight, weights, sources) else weights
-        return Deferred(lambda: weighted_sum(flat, self_weight, exchange.wait(), mix))
+        out = self._posted.buffer(index, -1, flat.numel(), flat.dtype).view_as(flat)
+        return Deferred(lambda: weighted_sum(flat, self_weight, exchange.wait(), mix, out))
 
 
 class HierarchicalNeighborAllreduce(Scheduled):
