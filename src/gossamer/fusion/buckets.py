@@ -37,16 +37,13 @@ class Bucket:
             ValueError: ``flat`` is not a contiguous 1-d tensor of this bucket's size, dtype
                 and device.
         """
-        if (
-            flat.dim() != 1
-            or not flat.is_contiguous()
-            or flat.numel() != sum(t.numel() for t in self.tensors)
-            or (flat.dtype, flat.device) != (self.tensors[0].dtype, self.tensors[0].device)
+        numel, first = sum(t.numel() for t in self.tensors), self.tensors[0]
+        if (flat.shape, flat.dtype, flat.device) != ((numel,), first.dtype, first.device) or (
+            not flat.is_contiguous()
         ):
             raise ValueError(
-                f"flat must be a contiguous 1-d {self.tensors[0].dtype} tensor of "
-                f"{sum(t.numel() for t in self.tensors)} elements on {self.tensors[0].device}; "
-                f"got shape {tuple(flat.shape)}, {flat.dtype} on {flat.device}"
+                f"flat must be a contiguous 1-d {first.dtype} tensor of {numel} elements on "
+                f"{first.device}; got shape {tuple(flat.shape)}, {flat.dtype} on {flat.device}"
             )
         self.flat = flat
         self.views = []
