@@ -78,9 +78,9 @@ def weighted_sum(
     if weights is None:
         sources = sorted(received)
         if not sources:
-            return x.to(wide, copy=True) if into is None else into.copy_(x)
-        # The first addition writes the output, saving a separate copy of x.
-        result = torch.add(x.to(wide), received[sources[0]].to(wide), out=into)
+            result = x.to(wide, copy=True) if into is None else into.copy_(x)
+        else:  # the first addition writes the output, saving a separate copy of x
+            result = torch.add(x.to(wide), received[sources[0]].to(wide), out=into)
         for src in sources[1:]:
             result.add_(received[src])
         result.div_(len(received) + 1)

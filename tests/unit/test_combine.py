@@ -23,10 +23,12 @@ def test_weighted_sum_into_out_is_bit_for_bit_the_new_tensor(dtype, weights):
         torch.testing.assert_close(got, ((wide + a + b) / 3).to(dtype), rtol=0, atol=0)
 
 
-def test_weighted_sum_without_sources_copies_x():
-    x = torch.arange(4.0)
-    out = torch.zeros(4)
-    assert weighted_sum(x, 1.0, {}, None, out) is out
-    assert torch.equal(out, x)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_weighted_sum_without_sources_copies_x(dtype):
+    x = torch.arange(4.0, dtype=dtype)
+    out = torch.zeros(4, dtype=dtype)
+    got = weighted_sum(x, 1.0, {}, None, out)
+    assert (got is out) == (dtype == torch.float32)
     fresh = weighted_sum(x, 1.0, {}, None)
-    assert torch.equal(fresh, x) and fresh.data_ptr() != x.data_ptr()
+    for value in (got, fresh):
+        assert value.dtype == dtype and torch.equal(value, x) and value.data_ptr() != x.data_ptr()
