@@ -125,9 +125,9 @@ class DecentralizedAlgorithmImpl(_Interval):
     def init_operations(self, bagua_ddp: Any, bucket: BaguaBucket) -> None:
         """Averaging into a peer-weight buffer."""
         bucket.clear_ops()
-        bucket._peer_weight = bucket.flattened_tensor()
+        # The op owns peer_weight: it trades it with the weights' buffer every round.
         bucket._decentralized_op = bucket.append_decentralized_synchronous_op(
-            peer_weight=bucket._peer_weight,
+            peer_weight=bucket.flattened_tensor(),
             hierarchical=self.hierarchical,
             peer_selection_mode=self.peer_selection_mode,
             group=self.process_group,
