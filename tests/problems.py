@@ -34,22 +34,25 @@ def least_squares_loss(model, A, b):
     return ((model(A).squeeze(1) - b) ** 2).mean() / 2
 
 
-def train_least_squares(make_optimizer, steps, lr, decay, after_step=None):
+def train_least_squares(make_optimizer, steps, lr, decay, after_step=None, go_on=None):
     """Fit linear_model to this rank's share with SGD at step size lr / (1 + k / decay).
 
     ``make_optimizer(sgd, model)`` wraps the SGD optimizer; ``after_step(k, opt, model)``, if
-    given, runs after step k. Returns ``(model, opt)``, not synchronized.
+    given, runs after step k; ``go_on()``, if given, keeps training past ``steps`` while it
+    is true. Returns ``(model, opt)``, not synchronized.
     """
     A, b = least_squares_data(gossamer.rank())
     model = linear_model()
     sgd = torch.optim.SGD(model.parameters(), lr=lr)
     opt = make_optimizer(sgd, model)
     schedule = torch.optim.lr_scheduler.LambdaLR(sgd, lambda k: 1 / (1 + k / decay))
-    for k in range(steps):
+    k = 0
+    while k < steps or (go_on is not None and go_on()):
         opt.zero_grad()
         least_squares_loss(model, A, b).backward()
         opt.step()
         schedule.step()
         if after_step is not None:
             after_step(k, opt, model)
+        k += 1
     return model, opt

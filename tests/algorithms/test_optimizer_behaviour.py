@@ -140,27 +140,36 @@ def test_fusion_on_and_off_give_the_same_result(kind):
             torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
 
 
-def _asynchronous(kind, steps, slow_rank):
+def _asynchronous(kind, steps, slow_rank, flags):
+    import os
     import time
 
     def slow_down(k, opt, model):
         if gossamer.rank() == slow_rank:
             time.sleep(0.003)
+        if k + 1 == steps:
+            open(os.path.join(flags, str(gossamer.rank())), "w").close()
+
+    def others_still_training():
+        return len(os.listdir(flags)) < gossamer.size()
 
     cls = optim.PushSum if kind == "push-sum" else optim.WindowPut
-    model, opt = train_least_squares(cls, steps, 0.2, 10, slow_down)
+    model, opt = train_least_squares(cls, steps, 0.2, 10, slow_down, others_still_training)
     gossamer.barrier()
     opt.free()
     return model.weight.detach().squeeze(0).clone()
 
 
 @pytest.mark.parametrize("kind", ["push-sum", "window-put"])
-def test_asynchronous_optimizers_converge_with_a_slow_rank(kind):
-    got = run_distributed(_asynchronous, 4, args=(kind, 300, 2), timeout=240)
+def test_asynchronous_optimizers_converge_with_a_slow_rank(kind, tmp_path):
+    # Fast ranks take more steps: each trains on until every rank has taken 300, so that
+    # the slow one never trains alone (it would drift toward its own optimum).
+    got = run_distributed(_asynchronous, 4, args=(kind, 300, 2, str(tmp_path)), timeout=240)
     optimum = least_squares_optimum(4)
-    # Asynchrony with one slow rank leaves a small bias (see PushSum's docstring).
+    # Asynchrony with one slow rank leaves a small bias (see PushSum's docstring); no
+    # averaging leaves 5-10 % (each rank's own optimum).
     for weight in got:
-        assert (weight - optimum).norm() / optimum.norm() < 5e-2
+        assert (weight - optimum).norm() / optimum.norm() < 2e-2
 
 
 def _races_ahead(rounds):
