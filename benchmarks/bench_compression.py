@@ -7,9 +7,11 @@ parameters of the project's benchmark model) and each compressor, the table show
 payload size and its ratio to float32, compress and decompress throughput (GB/s of float32
 input), the relative error ``||x - D(C(x))|| / ||x||``, and at 1 Gbit/s the transfer time
 the smaller payload saves against the time compress + decompress spend (above 1: worth it
-on such a link). Times are medians over repetitions (``--stat min``: the fastest), with
-torch on one thread. ``--clock cpu`` measures the calling thread's CPU time instead of wall
-time, which on a machine shared with other jobs is closer to what an idle machine shows.
+on such a link), and the time to add a received payload into a tensor, by ``decompress``
+then ``add_`` and by the fused ``decompress_add_``. Times are medians over repetitions
+(``--stat min``: the fastest), with torch on one thread. ``--clock cpu`` measures the
+calling thread's CPU time instead of wall time, which on a machine shared with other jobs
+is closer to what an idle machine shows.
 """
 
 from __future__ import annotations
@@ -46,17 +48,25 @@ LINK_BITS_PER_S = 1e9
 def measure(spec: str, x: torch.Tensor, reps: int, clock, stat) -> dict:
     compressor = get_compressor(spec)
     payload = compressor.compress(x)  # warm-up: allocator, lazy initialisation
-    restored = compressor.decompress(payload)
-    compress_s, decompress_s = [], []
+    compressor.decompress(payload)
+    target = torch.zeros_like(x)
+    compress_s, decompress_s, add_s, fused_add_s = [], [], [], []
     for _ in range(reps):
         start = clock()
         payload = compressor.compress(x)
         middle = clock()
-        restored = compressor.decompress(payload)
+        compressor.decompress(payload)  # not kept: each timed call gets the same memory
         compress_s.append(middle - start)
         decompress_s.append(clock() - middle)
+        # What a gossip step does per received payload: add it into a public copy.
+        start = clock()
+        target.add_(compressor.decompress(payload))
+        middle = clock()
+        compressor.decompress_add_(payload, target)
+        add_s.append(middle - start)
+        fused_add_s.append(clock() - middle)
     exact = x.double()
-    error = (exact - restored.double()).norm() / exact.norm()
+    error = (exact - compressor.decompress(payload).double()).norm() / exact.norm()
     raw = x.numel() * x.element_size()
     return {
         "compressor": compressor.name,
@@ -64,6 +74,8 @@ def measure(spec: str, x: torch.Tensor, reps: int, clock, stat) -> dict:
         "ratio": payload.nbytes / raw,
         "compress_s": stat(compress_s),
         "decompress_s": stat(decompress_s),
+        "add_decompressed_s": stat(add_s),
+        "decompress_add_s": stat(fused_add_s),
         "relative_error": error.item(),
         "saved_s": (raw - payload.nbytes) * 8 / LINK_BITS_PER_S,
     }
@@ -72,8 +84,9 @@ def measure(spec: str, x: torch.Tensor, reps: int, clock, stat) -> dict:
 def table(rows: list[dict], raw_bytes: int) -> str:
     lines = [
         "| compressor | payload bytes | ratio vs float32 | compress GB/s | decompress GB/s "
-        "| compress + decompress ms | relative error | saved / spent at 1 Gbit/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| compress + decompress ms | relative error | saved / spent at 1 Gbit/s "
+        "| add decompressed ms | decompress_add_ ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         spent = row["compress_s"] + row["decompress_s"]
@@ -82,7 +95,8 @@ def table(rows: list[dict], raw_bytes: int) -> str:
             f"| `{row['compressor']}` | {row['payload_bytes']:,} | {row['ratio']:.4f} "
             f"| {raw_bytes / row['compress_s'] / 1e9:.2f} "
             f"| {raw_bytes / row['decompress_s'] / 1e9:.2f} | {spent * 1e3:.1f} "
-            f"| {row['relative_error']:.4f} | {gain} |"
+            f"| {row['relative_error']:.4f} | {gain} | {row['add_decompressed_s'] * 1e3:.1f} "
+            f"| {row['decompress_add_s'] * 1e3:.1f} |"
         )
     return "\n".join(lines)
 

@@ -74,6 +74,24 @@ def test_static_choco_matches_the_one_process_simulation(world_size):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
 
 
+def _result_buffers(rounds):
+    comm = communicators.ChocoGossip("uint8", topology=topo.exponential_two(gossamer.size()))
+    x, kept = _start(gossamer.rank()), set()
+    for _ in range(rounds):
+        comm.next_round()
+        kept.add(comm.start(x.clone(), 0).wait().data_ptr())
+    comm.next_round()
+    last = comm.start(x.clone(), 0).wait()
+    comm.next_round()
+    fed_back = comm.start(last, 0).wait()  # the last result as the input: the other buffer
+    return kept, last.data_ptr(), fed_back.data_ptr()
+
+
+def test_posted_choco_rounds_write_into_kept_buffers():
+    for kept, last, fed_back in run_distributed(_result_buffers, 3, args=(4,)):
+        assert kept == {last} and fed_back != last
+
+
 @pytest.mark.parametrize("spec", ["uint8", "topk:0.1"])
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "one-peer"])
 def test_choco_reaches_consensus_and_keeps_the_average(spec, dynamic):

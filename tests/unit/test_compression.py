@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import doctest
 import importlib
@@ -105,6 +106,37 @@ def test_payload_rebuilt_from_bytes_decodes_the_same(compressor):
     big[1 : 1 + payload.nbytes] = payload.buffer
     shifted = Payload(big[1 : 1 + payload.nbytes], x.shape, torch.float32)
     torch.testing.assert_close(compressor.decompress(shifted), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS.values(), ids=COMPRESSORS.keys())
+@pytest.mark.parametrize("dtype", FLOATS, ids=_ids(FLOATS))
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (1001,), (64, 33)], ids=str)
+def test_in_place_sums_add_exactly_what_decompress_returns(compressor, dtype, shape):
+    x, start = _tensor(shape, dtype, seed=2), _tensor(shape, dtype, seed=3)
+    fused, plain = copy.deepcopy(compressor), copy.deepcopy(compressor)  # same random state
+    expected_payload = plain.compress(x)
+    expected = start + plain.decompress(expected_payload)
+    tracked = start.clone()
+    payload = fused.compress_add_(x, tracked)
+    assert torch.equal(payload.buffer, expected_payload.buffer)
+    assert torch.equal(tracked, expected)
+    received = start.clone()
+    assert compressor.decompress_add_(payload, received) is received
+    assert torch.equal(received, expected)
+    if x.dim() == 2:  # a non-contiguous target takes the unfused path
+        column_major = start.t().clone().t()
+        assert torch.equal(compressor.decompress_add_(payload, column_major), expected)
+
+
+def test_in_place_sums_check_their_target():
+    c, x = MinMaxUInt8(), torch.ones(4)
+    payload = c.compress(x)
+    with pytest.raises(ValueError, match=r"target must be a torch\.float32 tensor of shape \(4,\)"):
+        c.decompress_add_(payload, torch.zeros(5))
+    with pytest.raises(ValueError, match=r"target must be a torch\.float32.*got torch\.float64"):
+        c.compress_add_(x, torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"target must be a torch\.Tensor; got list"):
+        c.decompress_add_(payload, [0.0] * 4)
 
 
 @pytest.mark.parametrize(

@@ -307,7 +307,7 @@ class LowPrecisionGossip(_Compressed):
         decoded = {j: self._decode(received[j], x) for j in sources}  # before buffers are reused
         for j, _, key in peers:
             reps[key].add_(decoded[j])
-        reps["self"].add_(self.compressor.decompress(payload))
+        self.compressor.decompress_add_(payload, reps["self"])
         return reps["self"].clone()
 
     def state_dict(self) -> dict:

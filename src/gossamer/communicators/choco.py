@@ -222,15 +222,25 @@ class ChocoGossip(Scheduled):
         return self._gammas[index] if self.gamma == "auto" else float(self.gamma)
 
     def _encode(
-        self, flat: torch.Tensor, index: int, dsts: list[int], edged: bool
+        self,
+        flat: torch.Tensor,
+        index: int,
+        dsts: list[int],
+        edged: bool,
+        scratch: torch.Tensor | None = None,
     ) -> tuple[list[tuple], dict[int, torch.Tensor]]:
-        """Compress the differences to the public copies and update them; what to send."""
+        """Compress the differences to the public copies and update them; what to send.
+
+        The differences are formed in ``scratch`` where given (default: a new tensor).
+        """
         mine = [("out", d) for d in dsts] if edged else [("self",)]
+        if len(mine) > 1:  # a payload may be a view of its input ("none"): one each
+            scratch = None
         sends: dict[int, torch.Tensor] = {}
         for key in mine:
             public = self._copy(index, key, flat)
-            payload = self.compressor.compress(flat - public)
-            public.add_(self.compressor.decompress(payload))
+            diff = torch.sub(flat, public, out=scratch)
+            payload = self.compressor.compress_add_(diff, public)
             for d in dsts if not edged else [key[1]]:
                 sends[d] = payload.buffer
         return mine, sends
@@ -242,19 +252,29 @@ class ChocoGossip(Scheduled):
         mine: list[tuple],
         received: dict[int, torch.Tensor],
         weights: dict[int, float],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Update the in-neighbours' copies with what arrived; the new value (out of place)."""
-        pull = torch.zeros_like(flat) if not weights else None
-        for src, w in weights.items():
+        """Update the in-neighbours' copies with what arrived; the new value, in ``out``.
+
+        ``out`` (default: a new tensor) must not overlap ``flat`` or the copies.
+        """
+        replicas = []
+        for src in weights:
             replica = self._copy(index, ("in", src), flat)
-            buffer = received[src].contiguous()
-            replica.add_(self.compressor.decompress(Payload(buffer, flat.shape, flat.dtype)))
-            pull = torch.mul(replica, w) if pull is None else pull.add_(replica, alpha=w)
+            payload = Payload(received[src].contiguous(), flat.shape, flat.dtype)
+            replicas.append(self.compressor.decompress_add_(payload, replica))
         copies = [self._copy(index, key, flat) for key in mine]
         # No copies: every destination of the step is dead (elastic), none was sent.
         own = (copies[0] if len(copies) == 1 else sum(copies) / len(copies)) if copies else flat
-        pull.sub_(own, alpha=sum(weights.values()))
-        return torch.add(flat, pull, alpha=self.bucket_gamma(index))
+        pull = torch.empty_like(flat) if out is None else out
+        gamma, ws = self.bucket_gamma(index), list(weights.values())
+        if len(ws) == 1:  # one-peer: x + gamma w (h_j - h_i), two passes
+            torch.sub(replicas[0], own, out=pull)
+            return torch.add(flat, pull, alpha=gamma * ws[0], out=pull)
+        torch.mul(own, -sum(ws), out=pull)
+        for replica, w in zip(replicas, ws, strict=True):
+            pull.add_(replica, alpha=w)
+        return torch.add(flat, pull, alpha=gamma, out=pull)
 
     def _round(
         self, x: torch.Tensor, index: int, dsts: list[int], weights: dict[int, float], edged: bool
@@ -279,8 +299,16 @@ class ChocoGossip(Scheduled):
 
         Compression runs here; the exchange is :func:`gossamer.transport.post_exchange`,
         whose first round per bucket checks the payload layout (and the codec) across ranks.
+        The new value is written into a buffer kept for the bucket, valid until its next
+        round (as :class:`~gossamer.communicators.NeighborAllreduce`'s).
         """
-        mine, sends = self._encode(flat, index, dsts, edged)
+        # The kept result buffer holds the differences until the combine overwrites it;
+        # a caller may pass the last result back in, so there are two to alternate.
+        out = self._posted.buffer(index, -1, flat.numel(), flat.dtype)
+        if out.data_ptr() == flat.data_ptr():
+            out = self._posted.buffer(index, -2, flat.numel(), flat.dtype)
+        out = out.view_as(flat)
+        mine, sends = self._encode(flat, index, dsts, edged, out)
         nbytes = self.compressor.payload_nbytes(flat.numel(), flat.dtype)
         receives = {
             src: self._posted.buffer(index, slot, nbytes, torch.uint8)
@@ -291,7 +319,7 @@ class ChocoGossip(Scheduled):
         exchange = transport.post_exchange(
             _OP, probe, sends, receives, key=index, check=check, codec=self.codec
         )
-        return Deferred(lambda: self._combine(flat, index, mine, exchange.wait(), weights))
+        return Deferred(lambda: self._combine(flat, index, mine, exchange.wait(), weights, out))
 
     def state_dict(self) -> dict:
         """Rounds, schedule position, the compressor's state and every public copy."""

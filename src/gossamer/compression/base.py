@@ -92,7 +92,9 @@ class Compressor(abc.ABC):
     to an empty buffer. Non-finite inputs give unspecified (but finite-sized) payloads.
 
     Subclasses implement ``_encode``, ``_decode`` and ``_nbytes`` on flat, non-empty,
-    contiguous tensors and set ``spec_name`` and ``unbiased``.
+    contiguous tensors and set ``spec_name`` and ``unbiased``; they may override
+    ``_decode_add`` and ``_encode_add`` (the in-place sums of :meth:`decompress_add_` and
+    :meth:`compress_add_`) with fused versions.
     """
 
     spec_name: ClassVar[str]
@@ -155,20 +157,54 @@ class Compressor(abc.ABC):
             TypeError: ``payload`` is not a :class:`Payload`, or its dtype is not floating.
             ValueError: ``payload.nbytes`` does not fit this compressor and shape.
         """
-        if not isinstance(payload, Payload):
-            raise TypeError(f"payload must be a Payload; got {type(payload).__name__}")
-        numel = payload.numel
-        expected = self.payload_nbytes(numel, payload.dtype)
-        fits = payload.nbytes == expected if self.exact_nbytes else payload.nbytes <= expected
-        if not fits:
-            relation = "" if self.exact_nbytes else "at most "
-            raise ValueError(
-                f"payload.nbytes must be {relation}{expected} for {self.name!r}, "
-                f"{numel} elements of {payload.dtype}; got {payload.nbytes}"
-            )
+        numel = self._check_payload(payload)
         if numel == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=payload.buffer.device)
         return self._decode(payload.buffer, numel, payload.dtype).view(payload.shape)
+
+    def compress_add_(self, tensor: torch.Tensor, target: torch.Tensor) -> Payload:
+        """:meth:`compress` ``tensor``, and add what the payload decodes to into ``target``.
+
+        ``target += D(C(tensor))``, bit for bit what :meth:`decompress_add_` of the payload
+        adds (CHOCO's public copies and error feedback track what receivers decode). Some
+        compressors fuse the two, without a model-sized decoded tensor.
+
+        Raises:
+            TypeError, ValueError: as :meth:`compress`, or ``target`` has another shape,
+                dtype or device than ``tensor``.
+        """
+        self._check_tensor(tensor)
+        self._check_target(target, tensor.shape, tensor.dtype, tensor.device)
+        flat = tensor.detach().reshape(-1).contiguous()
+        if flat.numel() == 0:
+            return self.compress(tensor)
+        if not target.is_contiguous():
+            payload = self.compress(tensor)
+            self.decompress_add_(payload, target)
+            return payload
+        with torch.no_grad():
+            buffer = self._encode_add(flat, target.view(-1))
+        return Payload(buffer, tensor.shape, tensor.dtype)
+
+    def decompress_add_(self, payload: Payload, target: torch.Tensor) -> torch.Tensor:
+        """``target += D(payload)`` in place; returns ``target``.
+
+        The same sum as ``target.add_(decompress(payload))``; sparse and 8-bit payloads add
+        their values without a model-sized decoded tensor.
+
+        Raises:
+            TypeError, ValueError: as :meth:`decompress`, or ``target`` has another shape,
+                dtype or device than the payload.
+        """
+        numel = self._check_payload(payload)
+        self._check_target(target, payload.shape, payload.dtype, payload.buffer.device)
+        if numel == 0:
+            return target
+        if not target.is_contiguous():
+            return target.add_(self.decompress(payload))
+        with torch.no_grad():
+            self._decode_add(payload.buffer, numel, payload.dtype, target.view(-1))
+        return target
 
     def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """Return the size in bytes of the payload of a tensor with ``numel`` elements.
@@ -204,6 +240,31 @@ class Compressor(abc.ABC):
         if state:
             raise ValueError(f"state must be empty for {self.name!r}; got keys {sorted(state)}")
 
+    def _check_payload(self, payload: object) -> int:
+        """The payload's element count, once its type and size fit this compressor."""
+        if not isinstance(payload, Payload):
+            raise TypeError(f"payload must be a Payload; got {type(payload).__name__}")
+        numel = payload.numel
+        expected = self.payload_nbytes(numel, payload.dtype)
+        fits = payload.nbytes == expected if self.exact_nbytes else payload.nbytes <= expected
+        if not fits:
+            relation = "" if self.exact_nbytes else "at most "
+            raise ValueError(
+                f"payload.nbytes must be {relation}{expected} for {self.name!r}, "
+                f"{numel} elements of {payload.dtype}; got {payload.nbytes}"
+            )
+        return numel
+
+    @staticmethod
+    def _check_target(target: object, shape, dtype: torch.dtype, device) -> None:
+        if not isinstance(target, torch.Tensor):
+            raise TypeError(f"target must be a torch.Tensor; got {type(target).__name__}")
+        if (target.shape, target.dtype, target.device) != (torch.Size(shape), dtype, device):
+            raise ValueError(
+                f"target must be a {dtype} tensor of shape {tuple(shape)} on {device}; got "
+                f"{target.dtype} of shape {tuple(target.shape)} on {target.device}"
+            )
+
     def _check_tensor(self, tensor: object) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor; got {type(tensor).__name__}")
@@ -222,6 +283,18 @@ class Compressor(abc.ABC):
     @abc.abstractmethod
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Return the flat tensor of ``numel`` elements of ``dtype`` that ``buffer`` encodes."""
+
+    def _encode_add(self, flat: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``_encode(flat)``, and add its decoded value into the flat ``target``."""
+        buffer = self._encode(flat)
+        self._decode_add(buffer, flat.numel(), flat.dtype, target)
+        return buffer
+
+    def _decode_add(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
+    ) -> None:
+        """Add the flat tensor that ``buffer`` encodes into the flat ``target``."""
+        target.add_(self._decode(buffer, numel, dtype))
 
     @abc.abstractmethod
     def _nbytes(self, numel: int, dtype: torch.dtype) -> int:

@@ -80,7 +80,7 @@ class MinMaxUInt8(Compressor):
             parts.append(flat[full * length :].view(1, tail))
         return parts
 
-    def _encode(self, flat: torch.Tensor) -> torch.Tensor:
+    def _encode(self, flat: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
         cdt = compute_dtype(flat.dtype)
         parts = self._parts(flat)
         header = torch.cat([_min_max(part) for part in parts])
@@ -89,28 +89,48 @@ class MinMaxUInt8(Compressor):
         buffer[:hsize].view(flat.dtype).copy_(header.view(-1))
         scale, lower = _scale_lower(header, cdt)
         codes, row = buffer[hsize:], 0
-        for part in parts:
+        targets = self._parts(add_to) if add_to is not None else [None] * len(parts)
+        for part, target in zip(parts, targets, strict=True):
             rows, cols = part.shape
             out = codes[: rows * cols].view(rows, cols)
             codes = codes[rows * cols :]
-            _quantize(part, scale[row : row + rows], lower[row : row + rows], out, cdt)
+            sl = slice(row, row + rows)
+            _quantize(part, scale[sl], lower[sl], out, cdt, target)
             row += rows
         return buffer
 
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        cdt = compute_dtype(dtype)
-        _, full, tail = self._layout(numel)
-        reader = Reader(buffer)
-        header = reader.take(2 * (full + (tail > 0)), dtype).view(-1, 2)
-        scale, lower = _scale_lower(header, cdt)
-        codes = reader.rest()
         out = torch.empty(numel, dtype=dtype, device=buffer.device)
-        row = 0
+        self._decode_into(buffer, out, add=False)
+        return out
+
+    def _decode_add(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
+    ) -> None:
+        if dtype != compute_dtype(dtype):  # decoded values round to dtype before the sum
+            return super()._decode_add(buffer, numel, dtype, target)
+        self._decode_into(buffer, target, add=True)
+
+    def _decode_into(self, buffer: torch.Tensor, out: torch.Tensor, add: bool) -> None:
+        """Write (or with ``add``, add) the decoded values into the flat ``out``."""
+        cdt = compute_dtype(out.dtype)
+        _, full, tail = self._layout(out.numel())
+        reader = Reader(buffer)
+        header = reader.take(2 * (full + (tail > 0)), out.dtype).view(-1, 2)
+        scale, lower = _scale_lower(header, cdt)
+        codes, row = reader.rest(), 0
         for part, codes_part in zip(self._parts(out), self._parts(codes), strict=True):
             rows = part.shape[0]
-            _dequantize(codes_part, scale[row : row + rows], lower[row : row + rows], part, cdt)
+            sl = slice(row, row + rows)
+            _dequantize(codes_part, scale[sl], lower[sl], part, cdt, add)
             row += rows
-        return out
+
+    def _encode_add(self, flat: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # Each block is decoded while in cache from the float codes, which equal the uint8
+        # codes: the sum is bit for bit that of decompress_add_.
+        if flat.dtype != compute_dtype(flat.dtype):
+            return super()._encode_add(flat, target)
+        return self._encode(flat, target)
 
 
 def _min_max(part: torch.Tensor) -> torch.Tensor:
@@ -146,9 +166,17 @@ def _blocks(rows: int, cols: int, device: torch.device) -> Iterator[tuple[slice,
 
 
 def _quantize(
-    x: torch.Tensor, scale: torch.Tensor, lower: torch.Tensor, out: torch.Tensor, cdt: torch.dtype
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    lower: torch.Tensor,
+    out: torch.Tensor,
+    cdt: torch.dtype,
+    add_to: torch.Tensor | None = None,
 ) -> None:
-    """Write ``sat_uint8(rint(x * scale) - lower)`` into ``out`` (same shape as ``x``)."""
+    """Write ``sat_uint8(rint(x * scale) - lower)`` into ``out`` (same shape as ``x``).
+
+    ``add_to`` (of dtype ``cdt``), if given, gets the decoded values added.
+    """
     size = min(x.numel(), CPU_BLOCK)
     work = torch.empty(size, dtype=cdt, device=x.device)
     whole = torch.empty(size, dtype=torch.int32, device=x.device)
@@ -162,6 +190,8 @@ def _quantize(
         # float -> int32 -> uint8 is faster than torch's direct float -> uint8 cast.
         ib.copy_(tb)
         out[rs, cs].copy_(ib)
+        if add_to is not None:
+            add_to[rs, cs].add_(tb.add_(lower[rs]).div_(scale[rs]))
 
 
 def _dequantize(
@@ -170,9 +200,10 @@ def _dequantize(
     lower: torch.Tensor,
     out: torch.Tensor,
     cdt: torch.dtype,
+    add: bool = False,
 ) -> None:
-    """Write ``(codes + lower) / scale`` into ``out``, computed in ``cdt``."""
-    direct = out.dtype == cdt
+    """Write ``(codes + lower) / scale`` into ``out`` (``add``: add it), computed in ``cdt``."""
+    direct = out.dtype == cdt and not add
     work = (
         None if direct else torch.empty(min(out.numel(), CPU_BLOCK), dtype=cdt, device=out.device)
     )
@@ -181,5 +212,7 @@ def _dequantize(
         tb = ob if work is None else work[: ob.numel()].view(ob.shape)
         tb.copy_(codes[rs, cs])
         tb.add_(lower[rs]).div_(scale[rs])
-        if work is not None:
+        if add:
+            ob.add_(tb)
+        elif work is not None:
             ob.copy_(tb)

@@ -76,6 +76,11 @@ def _scatter(numel: int, indices: torch.Tensor, values: torch.Tensor) -> torch.T
     return out.index_put_((indices,), values)
 
 
+def _scatter_add(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """``target[indices] += values`` (distinct indices): the dense sum, touching only k."""
+    target.index_put_((indices,), values, accumulate=True)
+
+
 @dataclass(frozen=True, repr=False)
 class TopK(Compressor):
     """Top-k sparsification: keep the ``k = ceil(ratio * d)`` entries of largest magnitude.
@@ -107,12 +112,21 @@ class TopK(Compressor):
         indices = _top_indices(flat, kept(flat.numel(), self.ratio))
         return join(flat[indices], pack_bits(indices, _index_bits(flat.numel())))
 
-    def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def _entries(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         k = kept(numel, self.ratio)
         reader = Reader(buffer)
         values = reader.take(k, dtype)
-        indices = unpack_bits(reader.rest(), _index_bits(numel), k).long()
-        return _scatter(numel, indices, values)
+        return unpack_bits(reader.rest(), _index_bits(numel), k).long(), values
+
+    def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return _scatter(numel, *self._entries(buffer, numel, dtype))
+
+    def _decode_add(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
+    ) -> None:
+        _scatter_add(target, *self._entries(buffer, numel, dtype))
 
 
 @dataclass(frozen=True, repr=False)
@@ -191,12 +205,22 @@ class RandomK(Seeded):
         header = torch.tensor([self.seed, step], dtype=torch.int64, device=flat.device)
         return join(header, values)
 
-    def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def _entries(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         k = kept(numel, self.ratio)
         reader = Reader(buffer)
         seed, step = reader.take(2, torch.int64).tolist()
         indices, _ = _stratified(numel, k, seed, step, self.cyclic)
-        return _scatter(numel, indices.to(buffer.device), reader.take(k, dtype))
+        return indices.to(buffer.device), reader.take(k, dtype)
+
+    def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return _scatter(numel, *self._entries(buffer, numel, dtype))
+
+    def _decode_add(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
+    ) -> None:
+        _scatter_add(target, *self._entries(buffer, numel, dtype))
 
 
 _BITS = 62

@@ -366,8 +366,7 @@ class Window:
             sent = state.sent.get(dst)
             if sent is None:
                 sent = state.sent[dst] = torch.zeros_like(target)
-            payload = c.compress(target - sent)
-            sent.add_(c.decompress(payload))  # what dst's copy becomes, bit for bit
+            payload = c.compress_add_(target - sent, sent)  # sent: what dst's copy becomes
         else:
             residual = state.residuals.get(dst)
             corrected = target if residual is None else target + residual
