@@ -227,6 +227,7 @@ def _resume(spec):
     comm = _bound(spec, x)
     _gossip_rounds(comm, x, 5)
     state, saved_x = comm.state_dict(), x.clone()
+    gossamer.barrier()  # a neighbour's next put must not land in the slots being saved
     _gossip_rounds(comm, x, 5)
     comm.close()
     y = saved_x.clone()

@@ -117,6 +117,8 @@ class _WindowGossip(Scheduled):
         With a schedule or ``dst_weights`` a round may leave some slots untouched, so a
         combine can read a neighbour's copy from rounds ago. ``versions`` (arrivals since
         the last combine) are saved for inspection; loading clears them, as a combine does.
+        Save on every rank before any rank communicates again (a barrier after saving): a
+        neighbour's next put that lands first would be saved as this round's.
         """
         return {
             **super().state_dict(),
