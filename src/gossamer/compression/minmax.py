@@ -191,7 +191,7 @@ def _quantize(
         ib.copy_(tb)
         out[rs, cs].copy_(ib)
         if add_to is not None:
-            add_to[rs, cs].add_(tb.add_(lower[rs]).div_(scale[rs]))
+            add_to[rs, cs].addcdiv_(tb.add_(lower[rs]), scale[rs])
 
 
 def _dequantize(
@@ -211,8 +211,10 @@ def _dequantize(
         ob = out[rs, cs]
         tb = ob if work is None else work[: ob.numel()].view(ob.shape)
         tb.copy_(codes[rs, cs])
-        tb.add_(lower[rs]).div_(scale[rs])
+        tb.add_(lower[rs])
         if add:
-            ob.add_(tb)
-        elif work is not None:
-            ob.copy_(tb)
+            ob.addcdiv_(tb, scale[rs])
+        else:
+            tb.div_(scale[rs])
+            if work is not None:
+                ob.copy_(tb)
