@@ -166,7 +166,7 @@ class Compressor(abc.ABC):
         """:meth:`compress` ``tensor``, and add what the payload decodes to into ``target``.
 
         ``target += D(C(tensor))``, bit for bit what :meth:`decompress_add_` of the payload
-        adds (CHOCO's public copies and error feedback track what receivers decode). Some
+        adds (CHOCO's public copies and compressed window puts track what receivers decode). Some
         compressors fuse the two, without a model-sized decoded tensor.
 
         Raises:

@@ -76,13 +76,22 @@ def _scatter(numel: int, indices: torch.Tensor, values: torch.Tensor) -> torch.T
     return out.index_put_((indices,), values)
 
 
-def _scatter_add(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """``target[indices] += values`` (distinct indices): the dense sum, touching only k."""
-    target.index_put_((indices,), values, accumulate=True)
+class _Entries:
+    """A sparsifier whose payload holds ``k`` (index, value) entries (``_entries``)."""
+
+    def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return _scatter(numel, *self._entries(buffer, numel, dtype))
+
+    def _decode_add(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
+    ) -> None:
+        # Distinct indices: the dense sum, touching only the k entries.
+        indices, values = self._entries(buffer, numel, dtype)
+        target.index_put_((indices,), values, accumulate=True)
 
 
 @dataclass(frozen=True, repr=False)
-class TopK(Compressor):
+class TopK(_Entries, Compressor):
     """Top-k sparsification: keep the ``k = ceil(ratio * d)`` entries of largest magnitude.
 
     ``C(x)_i = x_i`` if ``|x_i|`` is among the ``k`` largest, else 0 (ties broken by
@@ -120,17 +129,9 @@ class TopK(Compressor):
         values = reader.take(k, dtype)
         return unpack_bits(reader.rest(), _index_bits(numel), k).long(), values
 
-    def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return _scatter(numel, *self._entries(buffer, numel, dtype))
-
-    def _decode_add(
-        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
-    ) -> None:
-        _scatter_add(target, *self._entries(buffer, numel, dtype))
-
 
 @dataclass(frozen=True, repr=False)
-class RandomK(Seeded):
+class RandomK(_Entries, Seeded):
     """Random-k sparsification with indices the receiver regenerates instead of receiving.
 
     The ``d`` positions are cut into ``k = ceil(ratio * d)`` consecutive blocks of ``d / k``
@@ -213,14 +214,6 @@ class RandomK(Seeded):
         seed, step = reader.take(2, torch.int64).tolist()
         indices, _ = _stratified(numel, k, seed, step, self.cyclic)
         return indices.to(buffer.device), reader.take(k, dtype)
-
-    def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return _scatter(numel, *self._entries(buffer, numel, dtype))
-
-    def _decode_add(
-        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
-    ) -> None:
-        _scatter_add(target, *self._entries(buffer, numel, dtype))
 
 
 _BITS = 62
