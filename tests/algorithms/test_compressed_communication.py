@@ -74,21 +74,25 @@ def test_static_choco_matches_the_one_process_simulation(world_size):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
 
 
-def _result_buffers(rounds):
-    comm = communicators.ChocoGossip("uint8", topology=topo.exponential_two(gossamer.size()))
-    x, kept = _start(gossamer.rank()), set()
-    for _ in range(rounds):
+def _result_buffers(kind, rounds):
+    graph = topo.exponential_two(gossamer.size())
+    if kind == "choco":
+        comm = communicators.ChocoGossip("uint8", topology=graph)
+    else:
+        comm = communicators.NeighborAllreduce(topology=graph)
+    x, results = _start(gossamer.rank()), []
+    for _ in range(rounds):  # every result is kept alive: new tensors could not share memory
         comm.next_round()
-        kept.add(comm.start(x.clone(), 0).wait().data_ptr())
-    comm.next_round()
-    last = comm.start(x.clone(), 0).wait()
+        results.append(comm.start(x.clone(), 0).wait())
+    last = results[-1]
     comm.next_round()
     fed_back = comm.start(last, 0).wait()  # the last result as the input: the other buffer
-    return kept, last.data_ptr(), fed_back.data_ptr()
+    return {r.data_ptr() for r in results}, last.data_ptr(), fed_back.data_ptr()
 
 
-def test_posted_choco_rounds_write_into_kept_buffers():
-    for kept, last, fed_back in run_distributed(_result_buffers, 3, args=(4,)):
+@pytest.mark.parametrize("kind", ["choco", "neighbor_allreduce"])
+def test_posted_rounds_write_into_kept_buffers(kind):
+    for kept, last, fed_back in run_distributed(_result_buffers, 3, args=(kind, 4)):
         assert kept == {last} and fed_back != last
 
 

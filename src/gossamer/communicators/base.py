@@ -67,6 +67,17 @@ class PostedState:
             found = self._buffers[index, slot] = torch.empty(numel, dtype=dtype)
         return found
 
+    def result(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """A buffer kept for bucket ``index``'s result, shaped like ``flat``, not ``flat``.
+
+        Two alternate, so a round whose input is the bucket's last result (``x = round(x)``)
+        does not write over its own input.
+        """
+        out = self.buffer(index, -1, flat.numel(), flat.dtype)
+        if out.data_ptr() == flat.data_ptr():
+            out = self.buffer(index, -2, flat.numel(), flat.dtype)
+        return out.view_as(flat)
+
     def needs_check(self, index: int, layout: object) -> bool:
         """Whether bucket ``index``'s round must check ``layout`` (first time, or changed)."""
         check = self._checked.get(index) != layout

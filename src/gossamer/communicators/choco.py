@@ -302,12 +302,7 @@ class ChocoGossip(Scheduled):
         The new value is written into a buffer kept for the bucket, valid until its next
         round (as :class:`~gossamer.communicators.NeighborAllreduce`'s).
         """
-        # The kept result buffer holds the differences until the combine overwrites it;
-        # a caller may pass the last result back in, so there are two to alternate.
-        out = self._posted.buffer(index, -1, flat.numel(), flat.dtype)
-        if out.data_ptr() == flat.data_ptr():
-            out = self._posted.buffer(index, -2, flat.numel(), flat.dtype)
-        out = out.view_as(flat)
+        out = self._posted.result(index, flat)  # holds the differences until the combine
         mine, sends = self._encode(flat, index, dsts, edged, out)
         nbytes = self.compressor.payload_nbytes(flat.numel(), flat.dtype)
         receives = {

@@ -208,7 +208,7 @@ class NeighborAllreduce(Scheduled):
         sends = scaled_copies(flat, dsts)
         exchange = transport.post_exchange(self.name, flat, sends, receives, key=index, check=check)
         mix = None if is_uniform(self_weight, weights, sources) else weights
-        out = self._posted.buffer(index, -1, flat.numel(), flat.dtype).view_as(flat)
+        out = self._posted.result(index, flat)
         return Deferred(lambda: weighted_sum(flat, self_weight, exchange.wait(), mix, out))
 
 
