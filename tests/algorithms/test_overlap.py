@@ -445,3 +445,107 @@ def test_window_atc_refuses_exact_diffusion():
     model = Net(0)
     with pytest.raises(ValueError, match="exact_diffusion=True"):
         optim.WindowAdaptThenCombine(_torch_optimizer("sgd", model), model, exact_diffusion=True)
+
+
+# ---------------------------------------------------------------- AWC, prefetched
+AWC_CASES = ["sgd-momentum", "adam", "every-2", "one-peer"]
+
+
+def serial_awc(case, n):
+    """AWC simulated in one process: x+ = W x + u(grad f(x)); x before each step, and the end."""
+    kind, every, dynamic, _, _ = CASES[case]
+    models = [Net(r) for r in range(n)]
+    opts = [_torch_optimizer(kind, m) for m in models]
+    history, rounds = [], 0
+    for step in range(STEPS):
+        history.append([[p.detach().clone() for p in m.parameters()] for m in models])
+        for rank, (model, opt) in enumerate(zip(models, opts, strict=True)):
+            opt.zero_grad()
+            _loss(model, *_batch(rank, step)).backward()
+        if (step + 1) % every == 0:
+            W = _one_peer_weights(n, rounds) if dynamic else _static_weights(n)
+            rounds += 1
+            params = [list(m.parameters()) for m in models]
+            for k in range(len(params[0])):
+                mixed = mix(W.numpy(), [params[r][k].detach().clone() for r in range(n)])
+                with torch.no_grad():
+                    for r in range(n):
+                        params[r][k].copy_(mixed[r])
+        for opt in opts:
+            opt.step()
+    return history, [[p.detach().clone() for p in m.parameters()] for m in models]
+
+
+def _awc_runs(prefetch):
+    """Every AWC case trained in this job: {case: (parameters before each step, the end)}."""
+    rank, n = gossamer.rank(), gossamer.size()
+    got = {}
+    for case in AWC_CASES:
+        kind, every, dynamic, _, _ = CASES[case]
+        model = Net(rank)
+        options = {"schedule": topo.one_peer_exponential(topo.exponential_two(n), rank)}
+        if not dynamic:
+            options = {"topology": topo.exponential_two(n)}
+        opt = optim.AdaptWithCombine(
+            _torch_optimizer(kind, model),
+            model,
+            prefetch=prefetch,
+            num_steps_per_communication=every,
+            fusion_threshold_bytes=100,
+            **options,
+        )
+        seen = []
+        for step in range(STEPS):
+            seen.append([p.detach().clone() for p in model.parameters()])
+            opt.zero_grad()
+            with torch.no_grad():  # an evaluation between steps takes no round
+                model.eval()
+                model(_batch(rank, step)[0])
+                model.train()
+            _loss(model, *_batch(rank, step)).backward()
+            opt.step()
+        got[case] = seen, [p.detach().clone() for p in model.parameters()], len(opt._prefetched)
+        opt.close()
+    return got
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "in-forward"])
+def test_awc_matches_the_serial_algorithm_step_by_step(world_size, prefetch):
+    got = run_distributed(_awc_runs, world_size, args=(prefetch,), timeout=120)
+    for case in AWC_CASES:
+        history, final = serial_awc(case, world_size)
+        every = CASES[case][1]
+        for rank, runs_of_rank in enumerate(got):
+            seen, end, prefetched = runs_of_rank[case]
+            # step() of the last step started the next round iff that step communicates
+            assert prefetched == (7 if prefetch and (STEPS + 1) % every == 0 else 0)
+            for step in range(STEPS):
+                for a, b in zip(seen[step], history[step][rank], strict=True):
+                    torch.testing.assert_close(a, b, **TOLERANCE, msg=f"{case} r{rank} s{step}")
+            for a, b in zip(end, final[rank], strict=True):
+                torch.testing.assert_close(a, b, **TOLERANCE, msg=f"{case} rank {rank} end")
+
+
+def _refusals():
+    model = Net(0)
+    errors = []
+    for options in (
+        {"prefetch": 1},
+        {"prefetch": True, "compression": "uint8"},
+        {"prefetch": True, "communication": "allreduce"},
+        {"prefetch": True, "elastic": True},
+    ):
+        try:
+            optim.AdaptWithCombine(_torch_optimizer("sgd", model), model, **options)
+        except (TypeError, ValueError) as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_awc_prefetch_refuses_bad_values_and_patterns_with_state():
+    errors = run_distributed(_refusals, 1)[0]
+    assert len(errors) == 4
+    assert "prefetch must be a bool; got 1" in errors[0]
+    assert all("prefetch=True needs a neighbor_allreduce" in e for e in errors[1:])
+    assert "Choco" in errors[1] and "Allreduce" in errors[2] and "elastic" in errors[3]
