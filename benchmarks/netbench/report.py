@@ -50,7 +50,6 @@ ONE_PEER = (
     "atc-forward/one-peer",
     "awc/one-peer",
     "awc-one-bucket/one-peer",
-    "awc-prefetch/one-peer",
     "raw/one-peer",
     "raw-exchange/one-peer",
     "raw-exchange/shift",

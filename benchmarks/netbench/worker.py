@@ -51,7 +51,6 @@ STRATEGIES = (
     "atc-forward/one-peer",
     "awc/one-peer",
     "awc-one-bucket/one-peer",
-    "awc-prefetch/one-peer",
     "raw/one-peer",
     "raw-exchange/one-peer",
     "raw-exchange/shift",
@@ -378,18 +377,15 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         return model, optim.AdaptThenCombine(sgd, model, schedule=schedule, send_order="forward")
     if strategy.startswith("awc") and strategy.endswith("/one-peer"):
         # awc-one-bucket: the whole model in one bucket (one exchange and one call header
-        # per step instead of one per 8 MiB bucket); awc-<N>mb: buckets of N MiB;
-        # awc-prefetch: each bucket's next round starts from step() (prefetch=True).
+        # per step instead of one per 8 MiB bucket); awc-<N>mb: buckets of N MiB.
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
         variant = strategy.removesuffix("/one-peer").removeprefix("awc").strip("-")
-        options = {}
-        if variant == "prefetch":
-            options = {"prefetch": True}
-        elif variant == "one-bucket":
-            options = {"fusion_threshold_bytes": 2**40}
+        fusion = {}
+        if variant == "one-bucket":
+            fusion = {"fusion_threshold_bytes": 2**40}
         elif variant:
-            options = {"fusion_threshold_bytes": int(float(variant.removesuffix("mb")) * 2**20)}
-        return model, optim.AdaptWithCombine(sgd, model, schedule=schedule, **options)
+            fusion = {"fusion_threshold_bytes": int(float(variant.removesuffix("mb")) * 2**20)}
+        return model, optim.AdaptWithCombine(sgd, model, schedule=schedule, **fusion)
     if strategy in ("raw/one-peer", "raw-exchange/one-peer"):
         return model, RawOnePeer(sgd, model)
     if strategy.startswith("raw-exchange/s"):

@@ -59,14 +59,6 @@ CASES = {
         lambda m: optim.AdaptWithCombine(_sgd(m), m, num_steps_per_communication=2),
         "sync",
     ),
-    "awc-prefetch-one-peer": (
-        lambda m: optim.AdaptWithCombine(_adam(m), m, prefetch=True, schedule=_one_peer()),
-        "sync",
-    ),
-    "awc-prefetch-every-2": (
-        lambda m: optim.AdaptWithCombine(_sgd(m), m, prefetch=True, num_steps_per_communication=2),
-        "sync",
-    ),
     "awc-random-shift": (
         lambda m: optim.AdaptWithCombine(_sgd(m), m, communicator=RandomShift(7)),
         "sync",
@@ -129,7 +121,6 @@ CONTROLS = {
     "awc": lambda opt: torch.manual_seed(12345),  # the dropout masks' generator
     "awc-one-peer": _restart_schedule,
     "awc-every-2": _edit(steps=lambda steps: 0),
-    "awc-prefetch-one-peer": _restart_schedule,
     "awc-random-shift": lambda opt: opt.communicator.generator.manual_seed(7),
     "atc-global-average-2": _edit(rounds=lambda rounds: 0),
     "atc-exact": _edit(psi_prev=lambda psi: {}),

@@ -23,9 +23,8 @@ from collections.abc import Callable, Container
 import torch
 
 from gossamer import transport
-from gossamer.communicators import HierarchicalNeighborAllreduce, NeighborAllreduce
 from gossamer.optim.base import DecentralizedOptimizer
-from gossamer.optim.overlap import BucketwiseOptimizer, module_buckets, step_only
+from gossamer.optim.overlap import BucketwiseOptimizer, module_buckets
 from gossamer.profiling import timeline
 
 __all__ = ["AdaptThenCombine", "AdaptWithCombine"]
@@ -41,25 +40,6 @@ class AdaptWithCombine(DecentralizedOptimizer):
     are enabled), and :meth:`step` waits for it before calling the wrapped optimizer, whose
     gradients were computed at the pre-combine point.
 
-    With ``prefetch=True``, :meth:`step` works bucket by bucket, in the order the rounds
-    were started: it waits for a bucket's combine, takes that bucket's local step (the
-    wrapped optimizer on its parameters only), and, if the next step communicates, starts
-    the bucket's next round at once, while the later buckets of this round are still on the
-    wire. The link then never idles between rounds: the combines and local steps of all
-    but the last bucket, and everything between ``step()`` and the next forward pass, hide
-    behind the transfer. The next forward pass finds its round started. What changes: the
-    next round sends the parameters as :meth:`step` leaves them, so code that changes them
-    between ``step()`` and the next forward pass (clamping, a projection, loading weights)
-    is not seen by that round (it is by the one after). Needs a ``neighbor_allreduce`` or
-    ``hierarchical_neighbor_allreduce`` pattern (no ``elastic``, no compression), whose
-    state is a few counters. :meth:`state_dict` saves the point before the started round,
-    so a resumed run starts it again; :meth:`load_state_dict` and :meth:`close` wait for it
-    and drop it.
-
-    Args:
-        optimizer, model, **kwargs: as for :class:`DecentralizedOptimizer`.
-        prefetch (bool): start the next round from :meth:`step`, bucket by bucket (above).
-
     Example:
         >>> opt = AdaptWithCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
         >>> loss_fn(model(x), y).backward()   # averaging overlaps forward and backward
@@ -69,22 +49,9 @@ class AdaptWithCombine(DecentralizedOptimizer):
     #: warn when the model runs forward twice before a step (only the first communicates)
     warn_on_second_forward = True
 
-    def __init__(
-        self, optimizer: torch.optim.Optimizer, model, *, prefetch: bool = False, **kwargs
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model, **kwargs) -> None:
         super().__init__(optimizer, model, **kwargs)
-        if not isinstance(prefetch, bool):
-            raise TypeError(f"prefetch must be a bool; got {prefetch!r}")
-        if prefetch and not _prefetchable(self.communicator):
-            raise ValueError(
-                "prefetch=True needs a neighbor_allreduce or hierarchical_neighbor_allreduce "
-                f"pattern without elastic=True; got {self.communicator!r}"
-            )
-        self.prefetch = prefetch
         self._started = False
-        # The next step's rounds, started by step(), and the communicator's state before.
-        self._prefetched: list[tuple] = []
-        self._resume_point: dict | None = None
         self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in self.models]
 
     def _before_forward(self, module, inputs) -> None:
@@ -100,10 +67,7 @@ class AdaptWithCombine(DecentralizedOptimizer):
                 "first forward of a step starts communication"
             )
             return
-        if self._prefetched:
-            self._pending, self._prefetched = self._prefetched, []
-            self._started = True
-        elif self._is_round():
+        if self._is_round():
             try:
                 self._start_rounds()
             except BaseException:
@@ -121,70 +85,14 @@ class AdaptWithCombine(DecentralizedOptimizer):
     def step(self, closure=None):
         """Write the combined parameters, then take the wrapped optimizer's step."""
         try:
-            if self.prefetch and closure is None:
-                self._step_and_prefetch()
-                loss = None
-            else:
-                self.synchronize()
-                loss = self.optimizer.step(closure)
+            self.synchronize()
         finally:
             # A round that failed is over too: the next forward must start (and fail at
             # once, after a rank loss), not skip communication as a second forward would.
             self._started = False
+        loss = self.optimizer.step(closure)
         self.steps += 1
         return loss
-
-    def _step_and_prefetch(self) -> None:
-        """Per bucket: wait for its combine, step it, start its next round (prefetch=True)."""
-        # A round started by the last step() that no forward pass took is this step's.
-        handles = {id(b): handle for b, handle, _ in self._pending or self._prefetched}
-        self._pending, self._prefetched = [], []
-        ahead = (self.steps + 2) % self.num_steps_per_communication == 0
-        if ahead:
-            self._resume_point = self.communicator.state_dict()
-            self.communicator.next_round()
-        for index, bucket in enumerate(self.buckets):  # the order rounds were started in
-            handle = handles.get(id(bucket))
-            if handle is not None:
-                with timeline.activity(_ROW, "waiting for combine"):
-                    bucket.unpack(handle.wait(), lambda p: p.data)
-            with timeline.activity(_ROW, "local step"):
-                step_only(self.optimizer, bucket.tensors)
-            if ahead:
-                self._prefetched.append(
-                    (bucket, self.communicator.start(bucket.pack(), index), None)
-                )
-        bucketed = set(self.param_names)
-        rest = [p for g in self.param_groups for p in g["params"] if p not in bucketed]
-        if rest:  # parameters that do not train (requires_grad=False) step as torch's would
-            step_only(self.optimizer, rest)
-
-    def _drop_prefetched(self) -> None:
-        prefetched, self._prefetched = self._prefetched, []
-        for _, handle, _ in prefetched:
-            if handle is not None:
-                handle.wait()
-
-    def _comm_state(self) -> dict:
-        # A started round is not part of the state: a resumed run starts it again.
-        if self._prefetched and self._resume_point is not None:
-            return {"steps": self.steps, **self._resume_point}
-        return super()._comm_state()
-
-    def load_state_dict(self, state: dict) -> None:
-        """As :meth:`DecentralizedOptimizer.load_state_dict`; a prefetched round is dropped."""
-        self._drop_prefetched()
-        super().load_state_dict(state)
-
-    def close(self) -> None:
-        """As :meth:`DecentralizedOptimizer.close`; a prefetched round is waited for."""
-        self._drop_prefetched()
-        super().close()
-
-
-def _prefetchable(communicator) -> bool:
-    patterns = (NeighborAllreduce, HierarchicalNeighborAllreduce)
-    return type(communicator) in patterns and not communicator.elastic
 
 
 class AdaptThenCombine(BucketwiseOptimizer):
@@ -287,7 +195,7 @@ class AdaptThenCombine(BucketwiseOptimizer):
             self._restart_after_death(self.communicator.rounds + 1)
         with timeline.activity(_ROW, "local step"):
             x = bucket.pack().clone() if self.exact_diffusion else None
-            step_only(self.optimizer, bucket.tensors)
+            self._step_only(bucket.tensors)
             sent = bucket.pack()
             if x is None:
                 return sent, None

@@ -18,7 +18,7 @@ from torch import nn
 from gossamer.fusion import Bucket
 from gossamer.optim.base import DecentralizedOptimizer, NoSync
 
-__all__ = ["Arrivals", "BucketwiseOptimizer", "module_buckets", "queue_order", "step_only"]
+__all__ = ["Arrivals", "BucketwiseOptimizer", "module_buckets", "queue_order"]
 
 SEND_ORDERS = ("backward", "forward")
 
@@ -39,24 +39,6 @@ def queue_order(count: int, send_order: str | int) -> list[int]:
         )
     head = count - max(tail, 0)
     return list(range(head)) + list(range(count - 1, head - 1, -1))
-
-
-def step_only(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], closure=None):
-    """``optimizer``'s step restricted to ``params`` (its own update rule, its own state).
-
-    Exact for torch's optimizers, whose update of a parameter reads only that parameter's
-    gradient and state: the groups are narrowed to ``params`` for the call, then restored.
-    """
-    wanted = set(params)
-    groups = optimizer.param_groups
-    saved = [g["params"] for g in groups]
-    try:
-        for g in groups:
-            g["params"] = [p for p in g["params"] if p in wanted]
-        return optimizer.step(closure)
-    finally:
-        for g, params_of_group in zip(groups, saved, strict=True):
-            g["params"] = params_of_group
 
 
 class Arrivals:
@@ -209,6 +191,19 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
         """``indices`` and every bucket queued before any of them."""
         last = max(self._position[i] for i in indices)
         return set(self.queue_order[: last + 1])
+
+    def _step_only(self, params: Iterable[torch.Tensor], closure=None):
+        """The wrapped optimizer's step restricted to ``params`` (its own update rule)."""
+        wanted = set(params)
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = [p for p in g["params"] if p in wanted]
+            return self.optimizer.step(closure)
+        finally:
+            for g, params_of_group in zip(groups, saved, strict=True):
+                g["params"] = params_of_group
 
     def _queue_ready(self) -> None:
         """Queue the stepped buckets in :attr:`queue_order`, up to the first not stepped."""

@@ -23,7 +23,7 @@ import torch
 
 from gossamer.communicators import PushSumGossip, WindowPutGossip
 from gossamer.optim.combine import AdaptThenCombine, AdaptWithCombine
-from gossamer.optim.overlap import BucketwiseOptimizer, step_only
+from gossamer.optim.overlap import BucketwiseOptimizer
 from gossamer.profiling import timeline
 from gossamer.topology import Step, Topology
 
@@ -226,7 +226,7 @@ class PushSum(_OverWindows, BucketwiseOptimizer):
     def _step_bucket(self, index: int) -> tuple[torch.Tensor, None]:
         bucket = self.buckets[index]
         with timeline.activity("optimizer", "local step"):
-            step_only(self.optimizer, bucket.tensors)
+            self._step_only(bucket.tensors)
         return bucket.pack(), None
 
     def step(self, closure=None):
