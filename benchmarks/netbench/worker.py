@@ -473,9 +473,13 @@ def measure(model_name: str, strategy: str, args: argparse.Namespace) -> dict:
         step()
     if hasattr(opt, "synchronize"):
         opt.synchronize()
+    # Inside the timed window: the barrier runs after any communication a step left in
+    # flight, as the one before the window did, so the window holds exactly `steps`
+    # steps' communication (a round started ahead for the next step would otherwise be
+    # free: session 13's prefetch, docs/benchmarks.md).
+    gossamer.barrier()
     elapsed = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    gossamer.barrier()
     tx = _tx_bytes(args.interface) - tx0 if reader else 0
     release(strategy, opt)
     # The job is as fast as its slowest rank; bytes are summed over hosts.
