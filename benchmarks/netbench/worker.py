@@ -275,17 +275,18 @@ class GossamerExchange(RawOnePeer):
         """Exchange and average the flat model; no local step (the probe skips compute)."""
         torch.cat([p.detach().flatten() for p in self.params], out=self.flat)
         step = next(self.schedule)
-        self.recv = gossamer.neighbor_allreduce(
+        averaged = gossamer.neighbor_allreduce(
             self.flat,
             self_weight=step.self_weight,
             src_weights=dict(step.src_weights),
             dst_weights=dict(step.dst_weights),
         )
-        self.flat.copy_(self.recv)
+        # Written back from the result, as raw-exchange writes back its averaged buffer:
+        # one copy each (this probe copied the result into its buffer first, until session 13).
         offset = 0
         with torch.no_grad():
             for p in self.params:
-                p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
+                p.copy_(averaged[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
 
 
