@@ -77,6 +77,10 @@ CASES = {
         lambda m: optim.AdaptThenCombine(_sgd(m), m, exact_diffusion=True, schedule=_one_peer()),
         "sync",
     ),
+    "atc-difference-gossip": (
+        lambda m: optim.AdaptThenCombine(_sgd(m), m, communication="difference_gossip", **SMALL),
+        "sync",
+    ),
     "gradient-allreduce": (lambda m: optim.GradientAllreduce(_adam(m), m, **SMALL), "sync"),
     "win-put": (lambda m: optim.WindowPut(_sgd(m), m, **SMALL), "win-put"),
     "win-put-one-peer": (lambda m: optim.WindowPut(_sgd(m), m, schedule=_one_peer()), "win-put"),
@@ -124,6 +128,7 @@ CONTROLS = {
     "awc-random-shift": lambda opt: opt.communicator.generator.manual_seed(7),
     "atc-global-average-2": _edit(rounds=lambda rounds: 0),
     "atc-exact": _edit(psi_prev=lambda psi: {}),
+    "atc-difference-gossip": _edit(replicas=lambda r: {}),
     "win-put-one-peer": _edit(buffers=_zero_slots),
     "push-sum": _edit(
         buffers=_zero_slots, p_buffers=lambda ps: [dict.fromkeys(p, 0.0) for p in ps]

@@ -302,3 +302,81 @@ def test_payload_travels_as_bytes():
     p = c.compress(_start(0))
     assert p.buffer.dtype == torch.uint8 and p.nbytes <= 0.26 * 8 * 1000
     assert isinstance(Payload(p.buffer, p.shape, p.dtype), Payload)
+
+
+# ---------------------------------------------------------------- DCD-PSGD
+def _dcd(spec, graph_name, rounds):
+    n = gossamer.size()
+    graph = topo.ring(n) if graph_name == "ring" else topo.exponential_two(n)
+    comm = communicators.DifferenceGossip(spec, topology=graph)
+    return _run_rounds(comm, _start(gossamer.rank()), rounds)
+
+
+def _simulate_dcd(spec, graph_name, n, rounds):
+    """DCD for all ranks in one process, from its definition, replicas starting at zero."""
+    c = get_compressor(spec)
+    graph = topo.ring(n) if graph_name == "ring" else topo.exponential_two(n)
+    W = torch.tensor(graph.weights, dtype=torch.float64)
+    xs = [_start(r) for r in range(n)]
+    public = [torch.zeros_like(x) for x in xs]  # w_i, and every replica of it (equal)
+    for _ in range(rounds):
+        sources = [[j for j in range(n) if j != i and W[j, i] != 0] for i in range(n)]
+        diffs = [
+            xs[i]
+            + sum((W[j, i] * public[j] for j in sources[i]), torch.zeros_like(xs[i]))
+            + (W[i, i] - 2) * public[i]
+            for i in range(n)
+        ]
+        public = [public[i] + c.decompress(c.compress(diffs[i])) for i in range(n)]
+        xs = [p.clone() for p in public]
+    return xs
+
+
+@pytest.mark.parametrize(
+    ("world_size", "graph_name"), [(2, "exp2"), (3, "ring"), (4, "exp2"), (4, "ring")]
+)
+def test_difference_gossip_matches_the_one_process_simulation(world_size, graph_name):
+    got = run_distributed(_dcd, world_size, args=("uint8", graph_name, 6))
+    want = _simulate_dcd("uint8", graph_name, world_size, 6)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("spec", ["none", "uint8"])
+def test_difference_gossip_reaches_consensus_near_the_average(spec):
+    n = 4
+    start = torch.stack([_start(r) for r in range(n)])
+    got = torch.stack(run_distributed(_dcd, n, args=(spec, "exp2", 150)))
+    spread0 = (start - start.mean(0)).norm()
+    spread = (got - got.mean(0)).norm()
+    assert spread < 1e-6 * spread0, f"consensus error {spread / spread0:.2e} of its start"
+    # Uncompressed, the average is kept exactly; 8-bit, up to the first rounds' error.
+    error = (got.mean(0) - start.mean(0)).norm() / start.mean(0).norm()
+    assert error < (1e-12 if spec == "none" else 1e-2), f"average moved by {error:.2e}"
+
+
+def _dcd_options():
+    errors, made = [], communicators.make("difference_gossip", compression="qsgd:16")
+    for options in (
+        {"schedule": iter(())},
+        {"global_average_every": 2},
+        {"error_feedback": True},
+    ):
+        try:
+            communicators.make("difference_gossip", **options)
+        except ValueError as error:
+            errors.append(str(error))
+    try:
+        communicators.DifferenceGossip("uint8", topology=topo.ring(gossamer.size() + 1)).bind([])
+    except gossamer.TopologyError as error:
+        errors.append(str(error))
+    default = communicators.make("difference_gossip")
+    return errors, made.compressor.name, default.compressor.name
+
+
+def test_difference_gossip_options_are_checked():
+    errors, made, default = run_distributed(_dcd_options, 2)[0]
+    assert made.startswith("qsgd:16") and default == "uint8"
+    assert "schedule=" in errors[0] and "global_average_every=2" in errors[1]
+    assert "error_feedback=True" in errors[2]
+    assert "topology has 3 ranks but the world has 2" in errors[3]

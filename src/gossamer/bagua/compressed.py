@@ -31,7 +31,7 @@ import torch
 from gossamer import ops, transport
 from gossamer.bagua._groups import CommMember, default_group
 from gossamer.bagua.communicators import GroupCommunicator
-from gossamer.communicators import CompressedAllreduce, Pending
+from gossamer.communicators import CompressedAllreduce, Pending, difference_round
 from gossamer.communicators.compressed import codec_id, rank_compressor
 from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.topology import Topology
@@ -205,7 +205,9 @@ class LowPrecisionGossip(_Compressed):
 
     i.e. :math:`\hat w` moves to :math:`w_{ii}\hat w + \sum_j w_{ji}\hat x_j + (x - \hat w)`
     up to compression error; only :math:`C(d_i)` travels (to the out-neighbours). Every
-    rank must start from the same :math:`x_0` (``with_bagua`` broadcasts it).
+    rank must start from the same :math:`x_0` (``with_bagua`` broadcasts it). The round
+    is :func:`gossamer.communicators.difference_round`, as in
+    :class:`~gossamer.communicators.DifferenceGossip`, whose replicas start at zero instead.
 
     Args:
         compression: compressor or name (``"MinMaxUInt8"``).
@@ -289,26 +291,21 @@ class LowPrecisionGossip(_Compressed):
     def _among(self, x: torch.Tensor, index: int, group: Any, me: int, n: int) -> torch.Tensor:
         sw, peers, dsts = self._peers(me, n)
         reps = self._state(index, x, peers)
-        diff = x.clone()
-        for _, w, key in peers:
-            diff.add_(reps[key], alpha=w)
-        diff.add_(reps["self"], alpha=sw - 2)
-        payload = self.compressor.compress(diff)
         sources = sorted({j for j, _, _ in peers})
-        received = transport.exchange(
-            "compressed_gossip",
-            payload.buffer,
-            dict.fromkeys(dsts, payload.buffer),
-            sources,
-            group,
-            any_first_dim=True,
-            codec=self.codec,
-        )
-        decoded = {j: self._decode(received[j], x) for j in sources}  # before buffers are reused
-        for j, _, key in peers:
-            reps[key].add_(decoded[j])
-        self.compressor.decompress_add_(payload, reps["self"])
-        return reps["self"].clone()
+
+        def exchange(buffer: torch.Tensor) -> dict[int, torch.Tensor]:
+            sends = dict.fromkeys(dsts, buffer)
+            return transport.exchange(
+                "compressed_gossip",
+                buffer,
+                sends,
+                sources,
+                group,
+                any_first_dim=True,
+                codec=self.codec,
+            )
+
+        return difference_round(self.compressor, x, reps, sw, peers, exchange)
 
     def state_dict(self) -> dict:
         """Rounds and the replicas of every bucket."""

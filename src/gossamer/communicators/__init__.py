@@ -12,6 +12,7 @@ class                              one round
 ``NoCommunication``                nothing (or only the periodic global average)
 ``CompressedAllreduce``            global average through a compressor (scatter-reduce-gather)
 ``ChocoGossip``                    compressed neighbour averaging with public copies (CHOCO)
+``DifferenceGossip``               compressed differences with neighbour replicas (DCD-PSGD)
 ``NonlinearGossip``                :math:`x_i` += eps sum_j w_ji phi(x_j - x_i), phi sign-power
 ``PowerSGDAllreduce``              global average of rank-r factors (torch's PowerSGD hook)
 =================================  =========================================================
@@ -28,6 +29,7 @@ from gossamer.communicators.base import Communicator, Deferred, Pending, check_t
 from gossamer.communicators.choco import ChocoGossip, choco_gamma, default_gamma
 from gossamer.communicators.collective import Allreduce, NoCommunication
 from gossamer.communicators.compressed import CompressedAllreduce
+from gossamer.communicators.difference import DifferenceGossip, difference_round
 from gossamer.communicators.moshpit import (
     MoshpitAverage,
     elastic_global_average,
@@ -49,6 +51,7 @@ __all__ = [
     "Communicator",
     "CompressedAllreduce",
     "Deferred",
+    "DifferenceGossip",
     "HierarchicalNeighborAllreduce",
     "MoshpitAverage",
     "NeighborAllreduce",
@@ -60,6 +63,7 @@ __all__ = [
     "WindowPutGossip",
     "choco_gamma",
     "default_gamma",
+    "difference_round",
     "elastic_global_average",
     "grid_groups",
     "make",
@@ -79,6 +83,7 @@ COMMUNICATORS: dict[str, type[Communicator]] = {
         PushSumGossip,
         CompressedAllreduce,
         ChocoGossip,
+        DifferenceGossip,
         MoshpitAverage,
         NonlinearGossip,
         PowerSGDAllreduce,
@@ -91,6 +96,7 @@ COMMUNICATIONS = (
     "allreduce",
     "none",
     "nonlinear_gossip",
+    "difference_gossip",
 )
 
 
@@ -109,6 +115,9 @@ def make(
     ``topology`` applies to ``"neighbor_allreduce"`` and ``"nonlinear_gossip"`` (NGO with its
     default ``power`` and ``step_size``; build :class:`NonlinearGossip` for others);
     ``schedule`` to the neighbour patterns.
+    ``"difference_gossip"`` is :class:`DifferenceGossip` (DCD-PSGD, Bagua's low-precision
+    ring) with ``compression`` (default ``"uint8"``) on ``topology``; it takes no
+    ``schedule``, ``global_average_every`` or ``error_feedback``.
     With a ``compression`` other than ``"none"``, neighbour averaging becomes
     :class:`ChocoGossip` and ``allreduce`` :class:`CompressedAllreduce` (``error_feedback``
     applies to the latter; CHOCO's public copies already compensate the error).
@@ -150,6 +159,16 @@ def make(
             f"communication={communication!r} (collective and hierarchical patterns cannot "
             "outlive a rank: they raise RankLostError)"
         )
+    if communication == "difference_gossip":
+        given = {"schedule": schedule, "global_average_every": global_average_every}
+        given["error_feedback"] = error_feedback
+        clash = [f"{k}={v!r}" for k, v in given.items() if v is not None]
+        if clash:
+            raise ValueError(
+                f"communication='difference_gossip' takes a static topology and a "
+                f"compression only; got {', '.join(clash)}"
+            )
+        return DifferenceGossip("uint8" if compression is None else compressor, topology=topology)
     if error_feedback is not None and compressor.name == "none":
         raise ValueError(f"error_feedback={error_feedback!r} needs a compression; got none")
     if compressor.name != "none":

@@ -1,0 +1,164 @@
+r"""Difference-compressed gossip: DCD-PSGD (Tang et al., NeurIPS 2018), Bagua's low-precision ring.
+
+Every rank keeps its own public model :math:`\hat w_i` and a replica :math:`\hat x_j` of
+each in-neighbour's public model. A round on :math:`x_i` (the model after the local step,
+as adapt-then-combine sends it) with receive weights :math:`w_{ii}, w_{ji}`:
+
+.. math::
+    d_i = x_i + \sum_j w_{ji}\,\hat x_j + (w_{ii} - 2)\,\hat w_i,\qquad
+    \hat w_i \mathrel{+}= D(C(d_i)),\quad \hat x_j \mathrel{+}= D(C(d_j)),\qquad
+    x_i \leftarrow \hat w_i,
+
+so :math:`\hat w_i` moves to :math:`w_{ii}\hat w_i + \sum_j w_{ji}\hat x_j + (x_i - \hat
+w_i)`, the gossip step plus the local progress, up to the compression error of
+:math:`d_i`. Only :math:`C(d_i)` travels, the same payload to every out-neighbour, and
+both ends of an edge add the same decoded values, so a rank's replica of a neighbour stays
+equal to that neighbour's public model. Unlike CHOCO (:class:`ChocoGossip`) the error is
+not compensated: it enters the model each round, so DCD wants fine compressors (``uint8``,
+``qsgd``, casts), whose error shrinks with :math:`d_i`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gossamer import context, transport
+from gossamer.communicators.base import Communicator, Pending, check_topology
+from gossamer.communicators.compressed import codec_id, rank_compressor
+from gossamer.compression import Compressor, Payload, get_compressor
+from gossamer.errors import TopologyError
+from gossamer.fusion import Bucket
+from gossamer.ops import get_topology
+from gossamer.topology import Topology
+
+__all__ = ["DifferenceGossip", "difference_round"]
+
+_OP = "compressed_gossip"
+
+
+def difference_round(
+    compressor: Compressor,
+    x: torch.Tensor,
+    replicas: dict[Any, torch.Tensor],
+    self_weight: float,
+    peers: Sequence[tuple[int, float, Any]],
+    exchange: Callable[[torch.Tensor], dict[int, torch.Tensor]],
+) -> torch.Tensor:
+    """One DCD round on the flat ``x``; returns the new model (a copy of ``replicas["self"]``).
+
+    ``replicas`` holds ``"self"`` and each peer's replica under its key, updated in place;
+    ``peers`` lists ``(source rank, weight, replica key)`` (a source may appear twice: the
+    left and right of a ring of two); ``exchange(payload bytes)`` sends them to the
+    out-neighbours and returns the bytes each source sent.
+    """
+    diff = x.clone()
+    for _, weight, key in peers:
+        diff.add_(replicas[key], alpha=weight)
+    diff.add_(replicas["self"], alpha=self_weight - 2)
+    payload = compressor.compress(diff)
+    received = exchange(payload.buffer)
+    for source, _, key in peers:
+        sent = Payload(received[source].contiguous(), x.shape, x.dtype)
+        compressor.decompress_add_(sent, replicas[key])
+    compressor.decompress_add_(payload, replicas["self"])
+    return replicas["self"].clone()
+
+
+class DifferenceGossip(Communicator):
+    r"""Each round: DCD-PSGD over a static graph, sending compressed differences.
+
+    Memory: :math:`1 + d_{in}` model-sized replicas per bucket. They start at zero on every
+    rank, so the ranks need not start from the same model: the first round publishes each
+    model (compressed once, :math:`x_i \leftarrow D(C(x_i))`) and mixing starts with the
+    second. (Bagua starts them at the model it broadcast; ``gossamer.bagua`` does so.)
+    A stochastic compressor draws from this rank's own stream; its position is in
+    :meth:`state_dict`.
+
+    Args:
+        compression (str | Compressor): the compressor (default ``"uint8"``).
+        topology (Topology, optional): the static graph and its weights (default: the
+            default topology). Dynamic schedules are not supported: a replica is exact only
+            while its neighbour sends to this rank every round.
+    """
+
+    name = "difference_gossip"
+
+    def __init__(
+        self, compression: str | Compressor = "uint8", *, topology: Topology | None = None
+    ) -> None:
+        super().__init__()
+        self.compressor = get_compressor(compression)
+        self.codec = codec_id(self.compressor)
+        self.topology = check_topology(topology)
+        # bucket index -> {"self" | source rank: replica}
+        self.replicas: dict[int, dict[Any, torch.Tensor]] = {}
+        self._ranked = False
+        self._use_rank_stream()
+
+    def _use_rank_stream(self) -> None:
+        """Give the compressor this rank's random stream (once the rank is known)."""
+        if not self._ranked:
+            mine = rank_compressor(self.compressor)
+            if mine is not None:
+                self.compressor, self._ranked = mine, True
+
+    def bind(self, buckets: Sequence[Bucket]) -> None:
+        """Check the topology against the world when the optimizer is built.
+
+        Raises:
+            TopologyError: ``topology`` is not over ``gossamer.size()`` ranks.
+        """
+        if self.topology is not None and self.topology.size != context.size():
+            raise TopologyError(
+                f"topology has {self.topology.size} ranks but the world has {context.size()}"
+            )
+
+    def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
+        self._use_rank_stream()
+        x = flat.detach().clone()  # the caller may change flat while the round runs
+        return transport.submit(self.name, lambda: self._round(x, index))
+
+    def _round(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        graph = get_topology() if self.topology is None else self.topology
+        me = transport.group_rank(None)
+        self_weight, weights = graph.recv_weights(me)
+        sources = sorted(weights)
+        dsts = list(graph.out_neighbors(me))
+        flat = x.reshape(-1)
+        replicas = self.replicas.setdefault(index, {})
+        for key in ["self", *sources]:
+            if key not in replicas:
+                replicas[key] = torch.zeros_like(flat)
+
+        def exchange(buffer: torch.Tensor) -> dict[int, torch.Tensor]:
+            sends = dict.fromkeys(dsts, buffer)
+            return transport.exchange(
+                _OP, buffer, sends, sources, any_first_dim=True, codec=self.codec
+            )
+
+        peers = [(j, weights[j], j) for j in sources]
+        return difference_round(
+            self.compressor, flat, replicas, self_weight, peers, exchange
+        ).view_as(x)
+
+    def state_dict(self) -> dict:
+        """Rounds, the replicas of every bucket, and the compressor's stream position."""
+        replicas = {i: {k: t.clone() for k, t in r.items()} for i, r in self.replicas.items()}
+        return {
+            **super().state_dict(),
+            "replicas": replicas,
+            "compressor": self.compressor.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        super().load_state_dict(state)
+        self._use_rank_stream()
+        self.compressor.load_state_dict(state.get("compressor", {}))
+        self.replicas = {
+            int(i): {k: t.clone() for k, t in r.items()}
+            for i, r in state.get("replicas", {}).items()
+        }
