@@ -71,6 +71,8 @@ def configurations(compressors: list[str], gossip: bool) -> list[tuple[str, dict
         rows += [
             ("gossip", {"optimizer": "gossip"}),
             ("choco uint8", {"optimizer": "gossip", "compression": "uint8"}),
+            ("gossip ATC", {"optimizer": "atc"}),
+            ("dcd uint8 (ATC)", {"optimizer": "dcd", "compression": "uint8"}),
             ("QAT allreduce", {"optimizer": "allreduce", "qat": True}),
             ("QAT choco uint8", {"optimizer": "gossip", "compression": "uint8", "qat": True}),
         ]
@@ -105,9 +107,12 @@ def train(options: dict, data, args) -> tuple[float, float, float, float]:
         if options["optimizer"] == "allreduce":
             extra = {"compression": spec, "error_feedback": True} if spec else {}
             return optim.GradientAllreduce(base, model, **extra)
-        return optim.AdaptWithCombine(
-            base, model, topology=topo.exponential_two(size), compression=spec
-        )
+        graph = topo.exponential_two(size)
+        if options["optimizer"] == "gossip":
+            return optim.AdaptWithCombine(base, model, topology=graph, compression=spec)
+        # DCD (Bagua's low-precision algorithm) steps, then gossips: adapt-then-combine.
+        dcd = {"communication": "difference_gossip"} if options["optimizer"] == "dcd" else {}
+        return optim.AdaptThenCombine(base, model, topology=graph, compression=spec, **dcd)
 
     # An uncompressed warm-up (--warmup steps), then the configuration's compressor.
     warm = spec is not None and args.warmup > 0
@@ -147,14 +152,16 @@ def train(options: dict, data, args) -> tuple[float, float, float, float]:
 
 def table(results: list[dict], steps: int, size: int) -> str:
     """The markdown table: accuracy, its difference to the row's baseline, bytes."""
-    base = {r["name"]: r for r in results if r["name"] in ("allreduce", "gossip")}
+    base = {r["name"]: r for r in results if r["name"] in ("allreduce", "gossip", "gossip ATC")}
+    # each row against the uncompressed run of its own optimizer
+    baseline = {"gossip": "gossip", "atc": "gossip ATC", "dcd": "gossip ATC"}
     lines = [
         f"| configuration ({size} ranks, {steps} steps) | test accuracy % | vs baseline "
         "(points) | averaged model % | bytes / step / rank | vs baseline |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        ref = base["gossip" if r["optimizer"] == "gossip" else "allreduce"]
+        ref = base[baseline.get(r["optimizer"], "allreduce")]
         lines.append(
             f"| {r['name']} | {100 * r['accuracy']:.2f} | "
             f"{100 * (r['accuracy'] - ref['accuracy']):+.2f} | "

@@ -74,6 +74,7 @@ COMPRESSED = {
     "bagua-qadam": ("ddp", 0.25),  # the 8-bit gradient average after one warm-up step
     # the fixed ring: one 8-bit difference to each of the two neighbours
     "bagua-low-precision-decentralized": ("ring-neighbours", 0.25),
+    "dcd-uint8/ring": ("ring-neighbours", 0.25),  # the same ring through DifferenceGossip
     # every rank's top 1 % (float32 value + int32 index) reaches every other rank
     "topk-ef/allreduce": ("allgather", 0.02),
 }

@@ -60,6 +60,7 @@ STRATEGIES = (
     "raw-overlap/one-peer",
     "gossamer-exchange/one-peer",
     "choco-uint8/one-peer",
+    "dcd-uint8/ring",
     "bytegrad",
     "topk-ef/allreduce",
     "hier-atc",
@@ -413,6 +414,11 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
         choco = communicators.ChocoGossip("uint8", schedule=schedule)
         return model, optim.AdaptWithCombine(sgd, model, communicator=choco)
+    if strategy == "dcd-uint8/ring":
+        # Bagua's low-precision ring as gossamer's own DCD under ATC: each bucket's round
+        # starts from the backward pass instead of after the step.
+        dcd = communicators.DifferenceGossip("uint8", topology=topo.ring(size))
+        return model, optim.AdaptThenCombine(sgd, model, communicator=dcd)
     if strategy == "bytegrad":
         bytegrad = communicators.CompressedAllreduce("uint8", error_feedback=False)
         return model, optim.GradientAllreduce(sgd, model, communicator=bytegrad)
