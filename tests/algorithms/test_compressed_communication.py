@@ -78,6 +78,8 @@ def _result_buffers(kind, rounds):
     graph = topo.exponential_two(gossamer.size())
     if kind == "choco":
         comm = communicators.ChocoGossip("uint8", topology=graph)
+    elif kind == "difference_gossip":
+        comm = communicators.DifferenceGossip("uint8", topology=graph)
     else:
         comm = communicators.NeighborAllreduce(topology=graph)
     x, results = _start(gossamer.rank()), []
@@ -90,7 +92,7 @@ def _result_buffers(kind, rounds):
     return {r.data_ptr() for r in results}, last.data_ptr(), fed_back.data_ptr()
 
 
-@pytest.mark.parametrize("kind", ["choco", "neighbor_allreduce"])
+@pytest.mark.parametrize("kind", ["choco", "difference_gossip", "neighbor_allreduce"])
 def test_posted_rounds_write_into_kept_buffers(kind):
     for kept, last, fed_back in run_distributed(_result_buffers, 3, args=(kind, 4)):
         assert kept == {last} and fed_back != last
@@ -333,11 +335,13 @@ def _simulate_dcd(spec, graph_name, n, rounds):
 
 
 @pytest.mark.parametrize(
-    ("world_size", "graph_name"), [(2, "exp2"), (3, "ring"), (4, "exp2"), (4, "ring")]
+    ("world_size", "graph_name", "spec"),
+    # uint8 rounds are posted; stc's payload size varies, so its rounds run on the thread
+    [(2, "exp2", "uint8"), (3, "ring", "uint8"), (4, "exp2", "uint8"), (4, "ring", "stc:0.1")],
 )
-def test_difference_gossip_matches_the_one_process_simulation(world_size, graph_name):
-    got = run_distributed(_dcd, world_size, args=("uint8", graph_name, 6))
-    want = _simulate_dcd("uint8", graph_name, world_size, 6)
+def test_difference_gossip_matches_the_one_process_simulation(world_size, graph_name, spec):
+    got = run_distributed(_dcd, world_size, args=(spec, graph_name, 6))
+    want = _simulate_dcd(spec, graph_name, world_size, 6)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
 

@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from gossamer import context, transport
-from gossamer.communicators.base import Communicator, Pending, check_topology
+from gossamer.communicators.base import (
+    Communicator,
+    Deferred,
+    Pending,
+    PostedState,
+    check_topology,
+)
 from gossamer.communicators.compressed import codec_id, rank_compressor
 from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.errors import TopologyError
@@ -34,7 +40,7 @@ from gossamer.fusion import Bucket
 from gossamer.ops import get_topology
 from gossamer.topology import Topology
 
-__all__ = ["DifferenceGossip", "difference_round"]
+__all__ = ["DifferenceGossip", "difference_payload", "difference_round", "take_differences"]
 
 _OP = "compressed_gossip"
 
@@ -54,17 +60,38 @@ def difference_round(
     left and right of a ring of two); ``exchange(payload bytes)`` sends them to the
     out-neighbours and returns the bytes each source sent.
     """
+    payload = difference_payload(compressor, x, replicas, self_weight, peers)
+    received = exchange(payload.buffer)
+    take_differences(compressor, received, replicas, peers, x)
+    return replicas["self"].clone()
+
+
+def difference_payload(
+    compressor: Compressor,
+    x: torch.Tensor,
+    replicas: dict[Any, torch.Tensor],
+    self_weight: float,
+    peers: Sequence[tuple[int, float, Any]],
+) -> Payload:
+    """``C(d)`` for this rank's difference ``d``; its own public model gets ``D(C(d))``."""
     diff = x.clone()
     for _, weight, key in peers:
         diff.add_(replicas[key], alpha=weight)
     diff.add_(replicas["self"], alpha=self_weight - 2)
-    payload = compressor.compress(diff)
-    received = exchange(payload.buffer)
+    return compressor.compress_add_(diff, replicas["self"])
+
+
+def take_differences(
+    compressor: Compressor,
+    received: dict[int, torch.Tensor],
+    replicas: dict[Any, torch.Tensor],
+    peers: Sequence[tuple[int, float, Any]],
+    like: torch.Tensor,
+) -> None:
+    """Add each source's decoded difference (``received`` bytes) into its replica."""
     for source, _, key in peers:
-        sent = Payload(received[source].contiguous(), x.shape, x.dtype)
+        sent = Payload(received[source].contiguous(), like.shape, like.dtype)
         compressor.decompress_add_(sent, replicas[key])
-    compressor.decompress_add_(payload, replicas["self"])
-    return replicas["self"].clone()
 
 
 class DifferenceGossip(Communicator):
@@ -95,6 +122,7 @@ class DifferenceGossip(Communicator):
         self.topology = check_topology(topology)
         # bucket index -> {"self" | source rank: replica}
         self.replicas: dict[int, dict[Any, torch.Tensor]] = {}
+        self._posted = PostedState()
         self._ranked = False
         self._use_rank_stream()
 
@@ -118,31 +146,65 @@ class DifferenceGossip(Communicator):
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         self._use_rank_stream()
+        if self.compressor.exact_nbytes and transport.can_post(flat):
+            return self._post(flat, index)
         x = flat.detach().clone()  # the caller may change flat while the round runs
         return transport.submit(self.name, lambda: self._round(x, index))
 
-    def _round(self, x: torch.Tensor, index: int) -> torch.Tensor:
+    def _plan(self, index: int, flat: torch.Tensor) -> tuple:
+        """(self weight, peers, destinations, the bucket's replicas) of this round."""
         graph = get_topology() if self.topology is None else self.topology
         me = transport.group_rank(None)
         self_weight, weights = graph.recv_weights(me)
-        sources = sorted(weights)
-        dsts = list(graph.out_neighbors(me))
-        flat = x.reshape(-1)
+        peers = [(j, weights[j], j) for j in sorted(weights)]
         replicas = self.replicas.setdefault(index, {})
-        for key in ["self", *sources]:
+        for key in ["self", *weights]:
             if key not in replicas:
                 replicas[key] = torch.zeros_like(flat)
+        return self_weight, peers, list(graph.out_neighbors(me)), replicas
+
+    def _round(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        flat = x.reshape(-1)
+        self_weight, peers, dsts, replicas = self._plan(index, flat)
 
         def exchange(buffer: torch.Tensor) -> dict[int, torch.Tensor]:
             sends = dict.fromkeys(dsts, buffer)
+            sources = [j for j, _, _ in peers]
             return transport.exchange(
                 _OP, buffer, sends, sources, any_first_dim=True, codec=self.codec
             )
 
-        peers = [(j, weights[j], j) for j in sources]
         return difference_round(
             self.compressor, flat, replicas, self_weight, peers, exchange
         ).view_as(x)
+
+    def _post(self, flat: torch.Tensor, index: int) -> Pending:
+        """The round posted from the caller's thread (fixed-size payloads, float on gloo).
+
+        Compression runs here, and every bucket's payload goes on the wire at once; the
+        replicas take what arrived when the round is waited for. The new value is written
+        into a buffer kept for the bucket, valid until its next round (as
+        :class:`~gossamer.communicators.NeighborAllreduce`'s).
+        """
+        self_weight, peers, dsts, replicas = self._plan(index, flat)
+        payload = difference_payload(self.compressor, flat, replicas, self_weight, peers)
+        nbytes = payload.buffer.numel()
+        receives = {
+            j: self._posted.buffer(index, slot, nbytes, torch.uint8)
+            for slot, (j, _, _) in enumerate(peers)
+        }
+        check = self._posted.needs_check(index, nbytes)
+        sends = dict.fromkeys(dsts, payload.buffer)
+        exchange = transport.post_exchange(
+            _OP, payload.buffer, sends, receives, key=index, check=check, codec=self.codec
+        )
+        out = self._posted.result(index, flat)
+
+        def finish() -> torch.Tensor:
+            take_differences(self.compressor, exchange.wait(), replicas, peers, flat)
+            return out.copy_(replicas["self"])
+
+        return Deferred(finish)
 
     def state_dict(self) -> dict:
         """Rounds, the replicas of every bucket, and the compressor's stream position."""
