@@ -15,7 +15,14 @@ with its neighbours:
   in-neighbours (``optim.AdaptThenCombine``);
 - ``awc``: adapt-with-combine, the averaging overlaps the backward pass;
 - ``gradient_allreduce``: the data-parallel baseline (all models stay identical);
-- ``win_put`` and ``push_sum``: asynchronous, over one-sided windows.
+- ``win_put`` and ``push_sum``: asynchronous, over one-sided windows;
+- ``dcd``: adapt-then-combine whose averaging sends compressed differences (DCD-PSGD,
+  Bagua's low-precision ring, ``communication="difference_gossip"``; 8-bit unless
+  ``--compression`` says otherwise; ``--topology exponential`` only).
+
+``--compression uint8`` (or ``topk:0.01``, ``qsgd:16``, ...) compresses what travels:
+CHOCO-gossip for ``atc`` and ``awc``, a compressed allreduce with error feedback for
+``gradient_allreduce``, compressed puts for the window optimizers.
 
 ``--topology exponential`` averages with all in-neighbours of the exponential-two graph
 each step; ``one_peer`` with a single peer per step (the one-peer exponential schedule).
@@ -32,6 +39,7 @@ test accuracy and consensus distance per epoch.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from pathlib import Path
 
@@ -51,6 +59,7 @@ OPTIMIZERS = {
     "gradient_allreduce": optim.GradientAllreduce,
     "push_sum": optim.PushSum,
     "win_put": optim.WindowPut,
+    "dcd": functools.partial(optim.AdaptThenCombine, communication="difference_gossip"),
 }
 
 
@@ -137,6 +146,9 @@ def main() -> None:
     parser.add_argument(
         "--lr", type=float, default=3e-3, help="Adam learning rate (cosine decay to 0)"
     )
+    parser.add_argument(
+        "--compression", default=None, help='compress what travels: "uint8", "topk:0.01", ...'
+    )
     parser.add_argument("--test-fraction", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baseline", action="store_true", help="skip the 1-process run")
@@ -162,6 +174,8 @@ def main() -> None:
         else:
             where["topology"] = graph
     base = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if args.compression is not None:
+        where["compression"] = args.compression
     opt = OPTIMIZERS[args.optimizer](base, model, **where)
     # Cosine decay to 0: late steps are small, so the last epochs do not bounce around and
     # the ranks' models drift less apart (the consensus distance scales with the step).
@@ -172,7 +186,7 @@ def main() -> None:
             f"digits: {len(train[1])} train / {len(test_labels)} test images; {size} ranks x "
             f"{steps_per_epoch} steps x batch {args.batch_size} per epoch; {args.optimizer} "
             f"over {'one peer of ' if args.topology == 'one_peer' else ''}{graph.name}; "
-            f"Adam lr {args.lr}"
+            f"Adam lr {args.lr}; compression {args.compression or 'none'}"
         )
 
     history = {"loss": [], "accuracy": [], "consensus": []}

@@ -186,13 +186,15 @@ def test_train_digits_runs_as_a_world_of_one(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["atc"])
+@pytest.mark.parametrize(
+    "optimizer", [["atc"], ["dcd"], ["awc", "--compression", "uint8"]], ids=" ".join
+)
 def test_train_digits_learns_on_4_ranks(tmp_path, optimizer):
     out = _launch(
         4,
         EXAMPLES / "train_digits.py",
         "--optimizer",
-        optimizer,
+        *optimizer,
         "--epochs",
         "5",
         "--no-baseline",
