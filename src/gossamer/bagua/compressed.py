@@ -32,7 +32,7 @@ from gossamer import ops, transport
 from gossamer.bagua._groups import CommMember, default_group
 from gossamer.bagua.communicators import GroupCommunicator
 from gossamer.communicators import CompressedAllreduce, Pending, difference_round
-from gossamer.communicators.compressed import codec_id, rank_compressor
+from gossamer.communicators.compressed import RankStreams, codec_id
 from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.topology import Topology
 
@@ -59,21 +59,13 @@ def _leaders() -> Any:
     return None if comm is CommMember.NON_COMM_MEMBER else comm
 
 
-class _Compressed(GroupCommunicator):
+class _Compressed(RankStreams, GroupCommunicator):
     def __init__(self, compression: str | Compressor, *, hierarchical: bool, group: Any) -> None:
         super().__init__(hierarchical=hierarchical, group=group)
         self.compressor = resolve_compressor(compression)
         # The configuration's id, the same on every rank (the ranks' streams differ).
         self.codec = codec_id(self.compressor)
-        self._ranked = False
-        self._use_rank_stream()
-
-    def _use_rank_stream(self) -> None:
-        """Give the compressor this rank's random stream (once the rank is known)."""
-        if not self._ranked:
-            mine = rank_compressor(self.compressor)
-            if mine is not None:
-                self.compressor, self._ranked = mine, True
+        self._use_rank_streams()
 
     def state_dict(self) -> dict:
         """Rounds and the compressor's stream position."""
@@ -82,11 +74,11 @@ class _Compressed(GroupCommunicator):
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output."""
         super().load_state_dict(state)
-        self._use_rank_stream()
+        self._use_rank_streams()
         self.compressor.load_state_dict(state.get("compressor", {}))
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
-        self._use_rank_stream()
+        self._use_rank_streams()
         x = flat.detach().clone()  # the caller may change flat while the round runs
         # One job on gossamer's communication thread; the operations inside run in place.
         return transport.submit(self.name, lambda: self._round(x, index))

@@ -41,7 +41,7 @@ import torch
 
 from gossamer import transport
 from gossamer.communicators.base import Deferred, Pending, PostedState, check_topology
-from gossamer.communicators.compressed import codec_id, rank_compressor
+from gossamer.communicators.compressed import RankStreams, codec_id
 from gossamer.communicators.elastic import ElasticRound
 from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, Payload, compression_quality, get_compressor
@@ -115,7 +115,7 @@ def choco_gamma(delta: float, topology: Topology) -> float:
     return rho**2 * delta / (16 * rho + rho**2 + 4 * beta**2 + 2 * rho * beta**2 - 8 * rho * delta)
 
 
-class ChocoGossip(Scheduled):
+class ChocoGossip(RankStreams, Scheduled):
     r"""Each round: CHOCO-gossip with in-neighbours, sending compressed differences.
 
     A stochastic compressor draws from this rank's own stream
@@ -178,16 +178,8 @@ class ChocoGossip(Scheduled):
         self.codec = codec_id(self.compressor)
         # bucket index -> {("self",) | ("out", d) | ("in", s): public copy}
         self.copies: dict[int, dict[tuple, torch.Tensor]] = {}
-        self._ranked = False
         self._use_rank_streams()
         self._posted = PostedState()
-
-    def _use_rank_streams(self) -> None:
-        """Give the compressor this rank's random stream (see ``for_rank``), once known."""
-        if not self._ranked:
-            mine = rank_compressor(self.compressor)
-            if mine is not None:
-                self.compressor, self._ranked = mine, True
 
     def _copy(self, index: int, key: tuple, like: torch.Tensor) -> torch.Tensor:
         # Every copy starts at zero on both ends of its edge, so they agree from round one.

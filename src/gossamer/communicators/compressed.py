@@ -61,7 +61,7 @@ from gossamer.compression import (
 )
 from gossamer.ops.collectives import reduce_into
 
-__all__ = ["CompressedAllreduce", "codec_id", "rank_compressor"]
+__all__ = ["CompressedAllreduce", "RankStreams", "codec_id", "rank_compressor"]
 
 _SPARSIFIERS = ("topk", "randomk", "stc")
 
@@ -78,7 +78,25 @@ def rank_compressor(compressor: Compressor) -> Compressor | None:
     return for_rank(compressor, transport.group_rank(None))
 
 
-class CompressedAllreduce(Communicator):
+class RankStreams:
+    """A mixin for communicators whose ``compressor`` draws from this rank's own stream.
+
+    The rank is known only after ``gossamer.init``: :meth:`_use_rank_streams` swaps in
+    ``for_rank(compressor, rank)`` once, at construction or at the first round after it.
+    """
+
+    compressor: Compressor
+    _ranked = False
+
+    def _use_rank_streams(self) -> None:
+        """Give the compressor this rank's random stream, once the rank is known."""
+        if not self._ranked:
+            mine = rank_compressor(self.compressor)
+            if mine is not None:
+                self.compressor, self._ranked = mine, True
+
+
+class CompressedAllreduce(RankStreams, Communicator):
     """Each round: the global average (or sum) of the bucket, through a compressor.
 
     Args:
@@ -116,19 +134,12 @@ class CompressedAllreduce(Communicator):
         self.average = average
         self.feedback = ErrorFeedback(self.compressor) if error_feedback else None
         self.sparse = self.compressor.name.split(":")[0] in _SPARSIFIERS
-        self._ranked = False
         self._use_rank_streams()
 
     def _use_rank_streams(self) -> None:
-        """Give the compressor this rank's random stream (once the rank is known)."""
-        if self._ranked:
-            return
-        mine = rank_compressor(self.compressor)
-        if mine is None:
-            return
-        self.compressor, self._ranked = mine, True
-        if self.feedback is not None:
-            self.feedback.compressor = mine
+        super()._use_rank_streams()
+        if self.feedback is not None:  # the residuals' compressor is the same object
+            self.feedback.compressor = self.compressor
 
     def _compress(self, x: torch.Tensor, key: object) -> Payload:
         if self.feedback is None:

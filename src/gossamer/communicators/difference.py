@@ -33,7 +33,7 @@ from gossamer.communicators.base import (
     PostedState,
     check_topology,
 )
-from gossamer.communicators.compressed import codec_id, rank_compressor
+from gossamer.communicators.compressed import RankStreams, codec_id
 from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.errors import TopologyError
 from gossamer.fusion import Bucket
@@ -94,7 +94,7 @@ def take_differences(
         compressor.decompress_add_(sent, replicas[key])
 
 
-class DifferenceGossip(Communicator):
+class DifferenceGossip(RankStreams, Communicator):
     r"""Each round: DCD-PSGD over a static graph, sending compressed differences.
 
     Memory: :math:`1 + d_{in}` model-sized replicas per bucket. They start at zero on every
@@ -123,15 +123,7 @@ class DifferenceGossip(Communicator):
         # bucket index -> {"self" | source rank: replica}
         self.replicas: dict[int, dict[Any, torch.Tensor]] = {}
         self._posted = PostedState()
-        self._ranked = False
-        self._use_rank_stream()
-
-    def _use_rank_stream(self) -> None:
-        """Give the compressor this rank's random stream (once the rank is known)."""
-        if not self._ranked:
-            mine = rank_compressor(self.compressor)
-            if mine is not None:
-                self.compressor, self._ranked = mine, True
+        self._use_rank_streams()
 
     def bind(self, buckets: Sequence[Bucket]) -> None:
         """Check the topology against the world when the optimizer is built.
@@ -145,7 +137,7 @@ class DifferenceGossip(Communicator):
             )
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
-        self._use_rank_stream()
+        self._use_rank_streams()
         if self.compressor.exact_nbytes and transport.can_post(flat):
             return self._post(flat, index)
         x = flat.detach().clone()  # the caller may change flat while the round runs
@@ -218,7 +210,7 @@ class DifferenceGossip(Communicator):
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output."""
         super().load_state_dict(state)
-        self._use_rank_stream()
+        self._use_rank_streams()
         self.compressor.load_state_dict(state.get("compressor", {}))
         self.replicas = {
             int(i): {k: t.clone() for k, t in r.items()}
