@@ -129,8 +129,9 @@ def make(
 
     Raises:
         ValueError: an unknown name, both ``topology`` and ``schedule``, compression with
-            a communication that has no compressed form, or ``elastic`` with a pattern
-            other than ``"neighbor_allreduce"``.
+            a communication that has no compressed form, ``elastic`` with a pattern
+            other than ``"neighbor_allreduce"``, or an option ``"difference_gossip"``
+            does not take.
         TypeError: a ``topology`` or ``schedule`` of the wrong type.
     """
     if communication not in COMMUNICATIONS:
@@ -160,8 +161,11 @@ def make(
             "outlive a rank: they raise RankLostError)"
         )
     if communication == "difference_gossip":
-        given = {"schedule": schedule, "global_average_every": global_average_every}
-        given["error_feedback"] = error_feedback
+        given = {
+            "schedule": schedule,
+            "global_average_every": global_average_every,
+            "error_feedback": error_feedback,
+        }
         clash = [f"{k}={v!r}" for k, v in given.items() if v is not None]
         if clash:
             raise ValueError(
