@@ -200,6 +200,21 @@ def _names():
     return [name for name, _ in Net(0).named_parameters()]
 
 
+def _assert_follows(rank, seen, end, history, final, lazy=()):
+    """Rank ``rank``'s parameters before every step (``seen``) and at the end, against the
+    serial run; layers named in ``lazy`` are checked at the end only (their combine is
+    written when their module next runs forward, which an unused module never does)."""
+    names = _names()
+    assert len(seen) == STEPS
+    for step in range(STEPS):
+        for name, a, b in zip(names, seen[step], history[step][rank], strict=True):
+            if not name.startswith(lazy):
+                msg = f"rank {rank}, step {step}, {name}: "
+                torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=msg: s + m)
+    for name, a, b in zip(names, end, final[rank], strict=True):
+        torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=name: f"{s}: {m}")
+
+
 # Other queue orders of the rounds (send_order): the algorithm must not change. The unused
 # layer's bucket sits in the middle, so step() queues the buckets behind it.
 ORDERED = [("one-peer", "forward"), ("exact-diffusion", "forward"), ("sgd-momentum", 3)]
@@ -211,19 +226,9 @@ ORDERED = [("one-peer", "forward"), ("exact-diffusion", "forward"), ("sgd-moment
 def test_overlapped_atc_matches_the_serial_algorithm_step_by_step(runs, case, run):
     n, got = runs
     history, final = serial_atc(case, n)
-    names = _names()
     for rank, (seen, end, _, buckets) in enumerate(got[case, run]):
         assert buckets == 7
-        assert len(seen) == STEPS
-        for step in range(STEPS):
-            for name, a, b in zip(names, seen[step], history[step][rank], strict=True):
-                # The unused layer's combine is written lazily (its module never runs
-                # forward): it is checked at the end.
-                if not name.startswith("unused"):
-                    msg = f"rank {rank}, step {step}, {name}: "
-                    torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=msg: s + m)
-        for name, a, b in zip(names, end, final[rank], strict=True):
-            torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=name: f"{s}: {m}")
+        _assert_follows(rank, seen, end, history, final, lazy="unused")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -430,16 +435,10 @@ def _window_atc(kind):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_window_atc_matches_the_serial_algorithm_step_by_step(world_size):
     history, final = serial_atc("adam", world_size)
-    names = _names()
     got = run_distributed(_window_atc, world_size, args=("adam",), timeout=120)
     for rank, (seen, end, stepped_in_backward) in enumerate(got):
         assert stepped_in_backward == [True] * STEPS
-        for step in range(STEPS):
-            for name, a, b in zip(names, seen[step], history[step][rank], strict=True):
-                msg = f"rank {rank}, step {step}, {name}: "
-                torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=msg: s + m)
-        for name, a, b in zip(names, end, final[rank], strict=True):
-            torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m, s=name: f"{s}: {m}")
+        _assert_follows(rank, seen, end, history, final)
 
 
 def test_window_atc_refuses_exact_diffusion():
@@ -509,11 +508,5 @@ def _atc_dcd():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_atc_with_difference_gossip_matches_the_serial_algorithm(world_size):
     history, final = serial_atc_dcd(world_size)
-    names = _names()
     for rank, (seen, end) in enumerate(run_distributed(_atc_dcd, world_size, timeout=120)):
-        for step in range(STEPS):
-            for name, a, b in zip(names, seen[step], history[step][rank], strict=True):
-                if not name.startswith("unused"):  # written lazily: checked at the end
-                    torch.testing.assert_close(a, b, **TOLERANCE, msg=f"r{rank} s{step} {name}")
-        for name, a, b in zip(names, end, final[rank], strict=True):
-            torch.testing.assert_close(a, b, **TOLERANCE, msg=f"rank {rank} {name}")
+        _assert_follows(rank, seen, end, history, final, lazy="unused")

@@ -31,7 +31,12 @@ import torch
 from gossamer import ops, transport
 from gossamer.bagua._groups import CommMember, default_group
 from gossamer.bagua.communicators import GroupCommunicator
-from gossamer.communicators import CompressedAllreduce, Pending, difference_round
+from gossamer.communicators import (
+    CompressedAllreduce,
+    Pending,
+    difference_round,
+    payload_exchange,
+)
 from gossamer.communicators.compressed import RankStreams, codec_id
 from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.topology import Topology
@@ -283,20 +288,8 @@ class LowPrecisionGossip(_Compressed):
     def _among(self, x: torch.Tensor, index: int, group: Any, me: int, n: int) -> torch.Tensor:
         sw, peers, dsts = self._peers(me, n)
         reps = self._state(index, x, peers)
-        sources = sorted({j for j, _, _ in peers})
-
-        def exchange(buffer: torch.Tensor) -> dict[int, torch.Tensor]:
-            sends = dict.fromkeys(dsts, buffer)
-            return transport.exchange(
-                "compressed_gossip",
-                buffer,
-                sends,
-                sources,
-                group,
-                any_first_dim=True,
-                codec=self.codec,
-            )
-
+        sources = sorted({j for j, _, _ in peers})  # a ring of two: left is right
+        exchange = payload_exchange(dsts, sources, self.codec, group)
         return difference_round(self.compressor, x, reps, sw, peers, exchange)
 
     def state_dict(self) -> dict:

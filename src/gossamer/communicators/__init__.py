@@ -29,7 +29,11 @@ from gossamer.communicators.base import Communicator, Deferred, Pending, check_t
 from gossamer.communicators.choco import ChocoGossip, choco_gamma, default_gamma
 from gossamer.communicators.collective import Allreduce, NoCommunication
 from gossamer.communicators.compressed import CompressedAllreduce
-from gossamer.communicators.difference import DifferenceGossip, difference_round
+from gossamer.communicators.difference import (
+    DifferenceGossip,
+    difference_round,
+    payload_exchange,
+)
 from gossamer.communicators.moshpit import (
     MoshpitAverage,
     elastic_global_average,
@@ -68,6 +72,7 @@ __all__ = [
     "grid_groups",
     "make",
     "near_cubic_grid",
+    "payload_exchange",
     "sign_power",
 ]
 

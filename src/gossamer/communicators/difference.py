@@ -40,7 +40,13 @@ from gossamer.fusion import Bucket
 from gossamer.ops import get_topology
 from gossamer.topology import Topology
 
-__all__ = ["DifferenceGossip", "difference_payload", "difference_round", "take_differences"]
+__all__ = [
+    "DifferenceGossip",
+    "difference_payload",
+    "difference_round",
+    "payload_exchange",
+    "take_differences",
+]
 
 _OP = "compressed_gossip"
 
@@ -64,6 +70,23 @@ def difference_round(
     received = exchange(payload.buffer)
     take_differences(compressor, received, replicas, peers, x)
     return replicas["self"].clone()
+
+
+def payload_exchange(
+    dsts: Sequence[int], sources: Sequence[int], codec: int, group: Any = None
+) -> Callable[[torch.Tensor], dict[int, torch.Tensor]]:
+    """The ``exchange`` of :func:`difference_round` over ``group`` (None: the world).
+
+    It sends one payload to every destination and returns a payload from every source.
+    """
+
+    def exchange(buffer: torch.Tensor) -> dict[int, torch.Tensor]:
+        sends = dict.fromkeys(dsts, buffer)
+        return transport.exchange(
+            _OP, buffer, sends, sources, group, any_first_dim=True, codec=codec
+        )
+
+    return exchange
 
 
 def difference_payload(
@@ -158,14 +181,7 @@ class DifferenceGossip(RankStreams, Communicator):
     def _round(self, x: torch.Tensor, index: int) -> torch.Tensor:
         flat = x.reshape(-1)
         self_weight, peers, dsts, replicas = self._plan(index, flat)
-
-        def exchange(buffer: torch.Tensor) -> dict[int, torch.Tensor]:
-            sends = dict.fromkeys(dsts, buffer)
-            sources = [j for j, _, _ in peers]
-            return transport.exchange(
-                _OP, buffer, sends, sources, any_first_dim=True, codec=self.codec
-            )
-
+        exchange = payload_exchange(dsts, [j for j, _, _ in peers], self.codec)
         return difference_round(
             self.compressor, flat, replicas, self_weight, peers, exchange
         ).view_as(x)
