@@ -311,7 +311,8 @@ def _dcd(spec, graph_name, rounds):
     n = gossamer.size()
     graph = topo.ring(n) if graph_name == "ring" else topo.exponential_two(n)
     comm = communicators.DifferenceGossip(spec, topology=graph)
-    return _run_rounds(comm, _start(gossamer.rank()), rounds)
+    x = _run_rounds(comm, _start(gossamer.rank()), rounds)
+    return x, comm.state_dict()["replicas"][0]  # the last round's differences taken first
 
 
 def _simulate_dcd(spec, graph_name, n, rounds):
@@ -331,7 +332,7 @@ def _simulate_dcd(spec, graph_name, n, rounds):
         ]
         public = [public[i] + c.decompress(c.compress(diffs[i])) for i in range(n)]
         xs = [p.clone() for p in public]
-    return xs
+    return xs, public
 
 
 @pytest.mark.parametrize(
@@ -341,16 +342,20 @@ def _simulate_dcd(spec, graph_name, n, rounds):
 )
 def test_difference_gossip_matches_the_one_process_simulation(world_size, graph_name, spec):
     got = run_distributed(_dcd, world_size, args=(spec, graph_name, 6))
-    want = _simulate_dcd(spec, graph_name, world_size, 6)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
+    want, public = _simulate_dcd(spec, graph_name, world_size, 6)
+    for rank, ((x, replicas), w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(x, w, rtol=1e-6, atol=1e-9)
+        # every replica is its owner's public model, the last round's differences taken too
+        for key, replica in replicas.items():
+            owner = rank if key == "self" else key
+            torch.testing.assert_close(replica, public[owner], rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("spec", ["none", "uint8"])
 def test_difference_gossip_reaches_consensus_near_the_average(spec):
     n = 4
     start = torch.stack([_start(r) for r in range(n)])
-    got = torch.stack(run_distributed(_dcd, n, args=(spec, "exp2", 150)))
+    got = torch.stack([x for x, _ in run_distributed(_dcd, n, args=(spec, "exp2", 150))])
     spread0 = (start - start.mean(0)).norm()
     spread = (got - got.mean(0)).norm()
     assert spread < 1e-6 * spread0, f"consensus error {spread / spread0:.2e} of its start"

@@ -300,26 +300,31 @@ def _stochastic_gossip(spec, rounds):
     return x0, x, comm.state_dict()["compressor"]
 
 
+def _ring_round(cs, reps, xs):
+    """Bagua's ring (1/3 each) in one process: every rank's new model; ``reps`` updated."""
+    n = len(xs)
+    ds = []
+    for i in range(n):
+        d = xs[i].clone()  # the library's order of float32 operations
+        d.add_(reps[i]["left"], alpha=1 / 3).add_(reps[i]["right"], alpha=1 / 3)
+        d.add_(reps[i]["self"], alpha=1 / 3 - 2)
+        ds.append(cs[i].decompress(cs[i].compress(d)))
+    for i in range(n):
+        reps[i]["left"] += ds[(i - 1) % n]
+        reps[i]["right"] += ds[(i + 1) % n]
+        reps[i]["self"] += ds[i]
+    return [r["self"].clone() for r in reps]
+
+
 def _simulate_stochastic_gossip(spec, starts, rounds):
-    """Bagua's ring (1/3 each) in one process, each rank with its own compressor stream."""
+    """Bagua's ring in one process, each rank with its own compressor stream."""
     from gossamer.compression import for_rank, get_compressor
 
-    n = len(starts)
-    cs = [for_rank(get_compressor(spec), r) for r in range(n)]
+    cs = [for_rank(get_compressor(spec), r) for r in range(len(starts))]
     reps = [{"self": x.clone(), "left": x.clone(), "right": x.clone()} for x in starts]
     xs = [x.clone() for x in starts]
     for _ in range(rounds):
-        ds = []
-        for i in range(n):
-            d = xs[i].clone()  # the library's order of float32 operations
-            d.add_(reps[i]["left"], alpha=1 / 3).add_(reps[i]["right"], alpha=1 / 3)
-            d.add_(reps[i]["self"], alpha=1 / 3 - 2)
-            ds.append(cs[i].decompress(cs[i].compress(d)))
-        for i in range(n):
-            reps[i]["left"] += ds[(i - 1) % n]
-            reps[i]["right"] += ds[(i + 1) % n]
-            reps[i]["self"] += ds[i]
-        xs = [r["self"].clone() for r in reps]
+        xs = _ring_round(cs, reps, xs)
     return xs
 
 
@@ -330,3 +335,50 @@ def test_low_precision_gossip_draws_a_stream_per_rank(world_size):
     for (_, x, stream), w in zip(got, want, strict=True):
         torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-5)  # a flipped rounding: ~0.1
         assert stream == {"step": 3}
+
+
+# ------------------------------------------------- the ring's differences left in flight
+def _low_precision_steps(steps):
+    bagua.init_process_group()
+    r = bagua.get_rank()
+    m = _model(r)  # with_bagua starts every rank from rank 0's model
+    opt = torch.optim.SGD(m.parameters(), lr=LP_LR)
+    algorithm = decentralized.LowPrecisionDecentralizedAlgorithm(hierarchical=False)
+    m = m.with_bagua([opt], algorithm)
+    x, y = _data(r)
+    models = []
+    for _ in range(steps):
+        opt.zero_grad()
+        _loss(m, x, y).backward()
+        opt.step()
+        models.append(_flat(m.parameters()))
+    return models
+
+
+def _low_precision_simulated(n, steps):
+    """Bagua's low-precision decentralized SGD in one process, blocking rounds."""
+    models = [_model(0) for _ in range(n)]
+    opts = [torch.optim.SGD(m.parameters(), lr=LP_LR) for m in models]
+    x0 = _flat(models[0].parameters())
+    reps = [{"self": x0.clone(), "left": x0.clone(), "right": x0.clone()} for _ in range(n)]
+    out = []
+    for _ in range(steps):
+        for r, (m, opt) in enumerate(zip(models, opts, strict=True)):
+            opt.zero_grad()
+            _loss(m, *_data(r)).backward()
+            opt.step()
+        xs = _ring_round([MinMaxUInt8()] * n, reps, [_flat(m.parameters()) for m in models])
+        for m, x in zip(models, xs, strict=True):
+            _set(m, x)
+        out.append(xs)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_low_precision_steps_are_the_blocking_rings_while_differences_travel(world_size):
+    """A round's new model is final before its neighbours' differences arrive (posted)."""
+    got = run_distributed(_low_precision_steps, world_size, args=(8,))
+    want = _low_precision_simulated(world_size, 8)
+    for rank, models in enumerate(got):
+        for step, model in enumerate(models):
+            torch.testing.assert_close(model, want[step][rank], rtol=1e-5, atol=1e-6)

@@ -69,6 +69,10 @@ class _Op(abc.ABC):
     def run(self, bucket: BaguaBucket) -> None:
         """Run this operation on ``bucket``'s flat tensor."""
 
+    def inline(self, bucket: BaguaBucket) -> bool:
+        """Whether :meth:`run` may run on the caller's thread instead (it only posts)."""
+        return False
+
     def _round(self, flat: torch.Tensor) -> torch.Tensor:
         """One round of the communicator on ``flat``; ``flat`` itself if it did nothing."""
         assert self.communicator is not None
@@ -142,6 +146,10 @@ class LowPrecisionDecentralizedSynchronousOp(_Op):
     def run(self, bucket: BaguaBucket) -> None:
         """Pack the weights, run the round, write the new weights back."""
         bucket.unpack(self._round(bucket.pack()))
+
+    def inline(self, bucket: BaguaBucket) -> bool:
+        """Whether the round is posted (its differences then arrive during the next step)."""
+        return self.communicator.posts(bucket.tensors[0])
 
 
 class PythonOp(_Op):
@@ -446,8 +454,12 @@ class BaguaBucket:
         """Forget which tensors were marked."""
         self._ready.clear()
 
+    def runs_inline(self) -> bool:
+        """Whether every operation may run on the caller's thread (see ``_Op.inline``)."""
+        return bool(self._ops) and all(op.inline(self) for op in self._ops)
+
     def execute(self) -> None:
-        """Run the operations in order (a job of gossamer's communication thread)."""
+        """Run the operations in order (a job of gossamer's communication thread, or inline)."""
         for op in list(self._ops):
             op.run(self)
 

@@ -220,9 +220,9 @@ class CentralizedAllreduce(GroupCommunicator):
 
 
 # Segments of a posted shift_one round (as gossamer's default fusion buckets), keyed apart
-# from the buckets that gossamer's optimizers post.
+# from the buckets that gossamer's optimizers post (the low-precision ring's from 2 * KEYS).
 SEGMENT_BYTES = 4 * 2**20
-_KEYS = 1 << 16
+KEYS = 1 << 16
 
 
 def _segments(numel: int, pieces: int) -> list[slice]:
@@ -289,7 +289,7 @@ class PeerAverage(GroupCommunicator):
             received = self._posted.buffer(key, 0, sent.numel(), sent.dtype)
             check = self._posted.needs_check(key, (sent.dtype, sent.numel()))
             works = transport.post_exchange_works(
-                self.posted_op, sent, {peer: sent}, {peer: received}, key=_KEYS + key, check=check
+                self.posted_op, sent, {peer: sent}, {peer: received}, key=KEYS + key, check=check
             )
             posted.append((piece, received, works))
         return posted

@@ -30,14 +30,17 @@ import torch
 
 from gossamer import ops, transport
 from gossamer.bagua._groups import CommMember, default_group
-from gossamer.bagua.communicators import GroupCommunicator
+from gossamer.bagua.communicators import KEYS, GroupCommunicator
 from gossamer.communicators import (
     CompressedAllreduce,
     Pending,
     difference_round,
     payload_exchange,
+    publish_differences,
 )
+from gossamer.communicators.base import Deferred, PostedState
 from gossamer.communicators.compressed import RankStreams, codec_id
+from gossamer.communicators.difference import Arrivals
 from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.topology import Topology
 
@@ -189,7 +192,7 @@ class ScatterGatherCompressed(_Compressed):
         return out[: flat.numel()].view_as(x)
 
 
-class LowPrecisionGossip(_Compressed):
+class LowPrecisionGossip(Arrivals, _Compressed):
     r"""Bagua's low-precision decentralized round (difference compression, DCD-PSGD).
 
     Every rank keeps replicas of its own public model :math:`\hat w` and of each
@@ -241,6 +244,7 @@ class LowPrecisionGossip(_Compressed):
         self.topology = topology
         self._given = None if replicas is None else list(replicas)
         self._replicas: dict[int, dict[Any, torch.Tensor]] = {}
+        self._posted = PostedState()
 
     def bind(self, buckets: Sequence[Any]) -> None:
         """Start every bucket's replicas at its current value ``x0`` (before any step).
@@ -285,15 +289,69 @@ class LowPrecisionGossip(_Compressed):
                 }
         return self._replicas[index]
 
+    def posts(self, like: torch.Tensor) -> bool:
+        """Whether rounds on tensors like ``like`` are posted from the caller's thread.
+
+        They are among the ranks of the world (not ``hierarchical``, no sub-group), with
+        payloads of a fixed size, on tensors that ``transport.can_post`` takes.
+        """
+        return (
+            self.group is None
+            and not self.hierarchical
+            and self.compressor.exact_nbytes
+            and transport.can_post(like.new_empty(0))
+        )
+
+    def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
+        if not self.posts(flat):
+            return super()._start(flat, index)
+        self._use_rank_streams()
+        new = self._among(flat.reshape(-1), index, None, self.me, self.nranks).view_as(flat)
+        return Deferred(lambda: new)
+
     def _among(self, x: torch.Tensor, index: int, group: Any, me: int, n: int) -> torch.Tensor:
         sw, peers, dsts = self._peers(me, n)
         reps = self._state(index, x, peers)
         sources = sorted({j for j, _, _ in peers})  # a ring of two: left is right
+        self._take(index)
+        if group is None and self.posts(x):
+            post = self._poster(index, x, dsts, sources)
+            self._arrive(index, publish_differences(self.compressor, x, reps, sw, peers, post))
+            return reps["self"].clone()
         exchange = payload_exchange(dsts, sources, self.codec, group)
         return difference_round(self.compressor, x, reps, sw, peers, exchange)
 
+    def _poster(self, index: int, x: torch.Tensor, dsts: list[int], sources: list[int]):
+        """The ``post`` of a world round: its payload posted (``transport.post_exchange``).
+
+        The round then returns the new model without waiting: the peers'
+        differences are needed only by the next round (see
+        :func:`~gossamer.communicators.publish_differences`), so they travel while the
+        caller runs its next forward and backward passes. Bagua's op blocks instead.
+        """
+        nbytes = self.compressor.payload_nbytes(x.numel(), x.dtype)
+        receives = {
+            j: self._posted.buffer(index, slot, nbytes, torch.uint8)
+            for slot, j in enumerate(sources)
+        }
+        check = self._posted.needs_check(index, nbytes)
+
+        def post(buffer: torch.Tensor) -> Pending:
+            return transport.post_exchange(
+                "compressed_gossip",
+                buffer,
+                dict.fromkeys(dsts, buffer),
+                receives,
+                key=2 * KEYS + index,
+                check=check,
+                codec=self.codec,
+            )
+
+        return post
+
     def state_dict(self) -> dict:
-        """Rounds and the replicas of every bucket."""
+        """Rounds and the replicas of every bucket (after the differences still arriving)."""
+        self._take()
         replicas = {
             i: {k: t.clone() for k, t in reps.items()} for i, reps in self._replicas.items()
         }
@@ -301,6 +359,7 @@ class LowPrecisionGossip(_Compressed):
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (replicas copied into existing buffers)."""
+        self._take()
         super().load_state_dict(state)
         for i, reps in state.get("replicas", {}).items():
             mine = self._replicas.setdefault(int(i), {})

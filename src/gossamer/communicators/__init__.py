@@ -33,6 +33,7 @@ from gossamer.communicators.difference import (
     DifferenceGossip,
     difference_round,
     payload_exchange,
+    publish_differences,
 )
 from gossamer.communicators.moshpit import (
     MoshpitAverage,
@@ -73,6 +74,7 @@ __all__ = [
     "make",
     "near_cubic_grid",
     "payload_exchange",
+    "publish_differences",
     "sign_power",
 ]
 

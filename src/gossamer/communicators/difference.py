@@ -41,10 +41,12 @@ from gossamer.ops import get_topology
 from gossamer.topology import Topology
 
 __all__ = [
+    "Arrivals",
     "DifferenceGossip",
     "difference_payload",
     "difference_round",
     "payload_exchange",
+    "publish_differences",
     "take_differences",
 ]
 
@@ -66,10 +68,34 @@ def difference_round(
     left and right of a ring of two); ``exchange(payload bytes)`` sends them to the
     out-neighbours and returns the bytes each source sent.
     """
-    payload = difference_payload(compressor, x, replicas, self_weight, peers)
-    received = exchange(payload.buffer)
-    take_differences(compressor, received, replicas, peers, x)
+
+    def post(buffer: torch.Tensor) -> Deferred:
+        return Deferred(lambda: exchange(buffer))  # sent when take() waits, at once
+
+    publish_differences(compressor, x, replicas, self_weight, peers, post)()
     return replicas["self"].clone()
+
+
+def publish_differences(
+    compressor: Compressor,
+    x: torch.Tensor,
+    replicas: dict[Any, torch.Tensor],
+    self_weight: float,
+    peers: Sequence[tuple[int, float, Any]],
+    post: Callable[[torch.Tensor], Pending],
+) -> Callable[[], None]:
+    """The first half of :func:`difference_round`: returns ``take``, the second half.
+
+    ``replicas["self"]``, the new model, is final on return: the round needs the peers'
+    differences only for their replicas, which the *next* round reads. So the caller may
+    go on (a forward and backward pass) while they travel, and call ``take()`` (which
+    adds them into the replicas) before the next round on these replicas; the models are
+    those of the blocking round, step for step. ``post(payload bytes)`` starts sending
+    them; the pending round it returns gives the sources' bytes when waited for.
+    """
+    payload = difference_payload(compressor, x, replicas, self_weight, peers)
+    posted = post(payload.buffer)
+    return lambda: take_differences(compressor, posted.wait(), replicas, peers, replicas["self"])
 
 
 def payload_exchange(
@@ -117,7 +143,27 @@ def take_differences(
         compressor.decompress_add_(sent, replicas[key])
 
 
-class DifferenceGossip(RankStreams, Communicator):
+class Arrivals:
+    """A mixin for communicators that leave rounds' differences arriving.
+
+    It keeps, per bucket, the ``take()`` of the last round published with
+    :func:`publish_differences`, to run before the bucket's next round.
+    """
+
+    def _arrive(self, index: int, take: Callable[[], None]) -> None:
+        """Keep ``take`` for bucket ``index`` (whose earlier one must have run)."""
+        self.__dict__.setdefault("_arriving", {})[index] = take
+
+    def _take(self, index: int | None = None) -> None:
+        """Add the differences still arriving (for bucket ``index``; None: every bucket)."""
+        arriving = self.__dict__.setdefault("_arriving", {})
+        for i in list(arriving) if index is None else [index]:
+            take = arriving.pop(i, None)
+            if take is not None:
+                take()
+
+
+class DifferenceGossip(Arrivals, RankStreams, Communicator):
     r"""Each round: DCD-PSGD over a static graph, sending compressed differences.
 
     Memory: :math:`1 + d_{in}` model-sized replicas per bucket. They start at zero on every
@@ -161,6 +207,7 @@ class DifferenceGossip(RankStreams, Communicator):
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         self._use_rank_streams()
+        self._take(index)
         if self.compressor.exact_nbytes and transport.can_post(flat):
             return self._post(flat, index)
         x = flat.detach().clone()  # the caller may change flat while the round runs
@@ -189,33 +236,43 @@ class DifferenceGossip(RankStreams, Communicator):
     def _post(self, flat: torch.Tensor, index: int) -> Pending:
         """The round posted from the caller's thread (fixed-size payloads, float on gloo).
 
-        Compression runs here, and every bucket's payload goes on the wire at once; the
-        replicas take what arrived when the round is waited for. The new value is written
-        into a buffer kept for the bucket, valid until its next round (as
+        Compression runs here and the payload goes on the wire; the round's result, the
+        bucket's new public model, is known at once (:func:`publish_differences`). The
+        replicas take what arrived at the bucket's next round, so the transfer overlaps
+        whatever the caller computes in between. The result is written into a buffer kept
+        for the bucket, valid until its next round (as
         :class:`~gossamer.communicators.NeighborAllreduce`'s).
         """
         self_weight, peers, dsts, replicas = self._plan(index, flat)
-        payload = difference_payload(self.compressor, flat, replicas, self_weight, peers)
-        nbytes = payload.buffer.numel()
+        nbytes = self.compressor.payload_nbytes(flat.numel(), flat.dtype)
         receives = {
             j: self._posted.buffer(index, slot, nbytes, torch.uint8)
             for slot, (j, _, _) in enumerate(peers)
         }
         check = self._posted.needs_check(index, nbytes)
-        sends = dict.fromkeys(dsts, payload.buffer)
-        exchange = transport.post_exchange(
-            _OP, payload.buffer, sends, receives, key=index, check=check, codec=self.codec
+
+        def post(buffer: torch.Tensor) -> Pending:
+            sends = dict.fromkeys(dsts, buffer)
+            return transport.post_exchange(
+                _OP, buffer, sends, receives, key=index, check=check, codec=self.codec
+            )
+
+        self._arrive(
+            index, publish_differences(self.compressor, flat, replicas, self_weight, peers, post)
         )
-        out = self._posted.result(index, flat)
+        out = self._posted.result(index, flat).copy_(replicas["self"])
+        return Deferred(lambda: out)
 
-        def finish() -> torch.Tensor:
-            take_differences(self.compressor, exchange.wait(), replicas, peers, flat)
-            return out.copy_(replicas["self"])
-
-        return Deferred(finish)
+    def close(self) -> None:
+        """Wait for the differences still arriving."""
+        self._take()
 
     def state_dict(self) -> dict:
-        """Rounds, the replicas of every bucket, and the compressor's stream position."""
+        """Rounds, the replicas of every bucket, and the compressor's stream position.
+
+        Waits for the differences still arriving first.
+        """
+        self._take()
         replicas = {i: {k: t.clone() for k, t in r.items()} for i, r in self.replicas.items()}
         return {
             **super().state_dict(),
@@ -224,7 +281,8 @@ class DifferenceGossip(RankStreams, Communicator):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output."""
+        """Restore :meth:`state_dict`'s output (after the differences still arriving)."""
+        self._take()
         super().load_state_dict(state)
         self._use_rank_streams()
         self.compressor.load_state_dict(state.get("compressor", {}))

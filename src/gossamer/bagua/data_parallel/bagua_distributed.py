@@ -63,7 +63,10 @@ class _Backend:
         while self._next < len(self.buckets) and self.buckets[self._next].all_ready():
             ready = self.buckets[self._next]
             ready.reset_ready()
-            self._pending.append(transport.submit(f"bagua_bucket_{ready.name}", ready.execute))
+            if ready.runs_inline():  # it only posts: no job queued behind earlier waits
+                ready.execute()
+            else:
+                self._pending.append(transport.submit(f"bagua_bucket_{ready.name}", ready.execute))
             self._next += 1
         if self._next == len(self.buckets):
             self._next = 0  # every bucket started: the next marks begin a new round
