@@ -338,12 +338,12 @@ def test_low_precision_gossip_draws_a_stream_per_rank(world_size):
 
 
 # ------------------------------------------------- the ring's differences left in flight
-def _low_precision_steps(steps):
+def _low_precision_steps(steps, hierarchical):
     bagua.init_process_group()
     r = bagua.get_rank()
     m = _model(r)  # with_bagua starts every rank from rank 0's model
     opt = torch.optim.SGD(m.parameters(), lr=LP_LR)
-    algorithm = decentralized.LowPrecisionDecentralizedAlgorithm(hierarchical=False)
+    algorithm = decentralized.LowPrecisionDecentralizedAlgorithm(hierarchical=hierarchical)
     m = m.with_bagua([opt], algorithm)
     x, y = _data(r)
     models = []
@@ -374,10 +374,16 @@ def _low_precision_simulated(n, steps):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_low_precision_steps_are_the_blocking_rings_while_differences_travel(world_size):
-    """A round's new model is final before its neighbours' differences arrive (posted)."""
-    got = run_distributed(_low_precision_steps, world_size, args=(8,))
+@pytest.mark.parametrize(("world_size", "hierarchical"), [(2, False), (4, False), (4, True)])
+def test_low_precision_steps_are_the_blocking_rings_while_differences_travel(
+    world_size, hierarchical
+):
+    """A round's new model is final before its neighbours' differences arrive (posted).
+
+    Hierarchical with one rank per machine is the same ring, posted too.
+    """
+    env = {"GOSSAMER_NODES_PER_MACHINE": "1"}
+    got = run_distributed(_low_precision_steps, world_size, args=(8, hierarchical), env=env)
     want = _low_precision_simulated(world_size, 8)
     for rank, models in enumerate(got):
         for step, model in enumerate(models):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gossamer import ops, transport
+from gossamer import context, ops, transport
 from gossamer.bagua._groups import CommMember, default_group
 from gossamer.bagua.communicators import KEYS, GroupCommunicator
 from gossamer.communicators import (
@@ -292,12 +292,13 @@ class LowPrecisionGossip(Arrivals, _Compressed):
     def posts(self, like: torch.Tensor) -> bool:
         """Whether rounds on tensors like ``like`` are posted from the caller's thread.
 
-        They are among the ranks of the world (not ``hierarchical``, no sub-group), with
-        payloads of a fixed size, on tensors that ``transport.can_post`` takes.
+        They are among the ranks of the world (no sub-group; ``hierarchical`` only with one
+        rank per machine, where it is the same ring), with payloads of a fixed size, on
+        tensors that ``transport.can_post`` takes.
         """
         return (
             self.group is None
-            and not self.hierarchical
+            and (not self.hierarchical or context.local_size() == 1)
             and self.compressor.exact_nbytes
             and transport.can_post(like.new_empty(0))
         )

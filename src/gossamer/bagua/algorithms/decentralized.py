@@ -191,7 +191,11 @@ class LowPrecisionDecentralizedAlgorithmImpl(_Interval):
         return hook
 
     def init_post_optimizer_step_hook(self, bagua_ddp: Any):
-        """On communication steps, run the ring on the stepped weights and wait."""
+        """On communication steps, run the ring on the stepped weights and wait for it.
+
+        A posted ring returns once its payloads are sent: the new weights need only this
+        rank's difference (see :class:`~gossamer.bagua.compressed.LowPrecisionGossip`).
+        """
 
         def hook(optimizer: torch.optim.Optimizer) -> None:
             if self._should_communicate(bagua_ddp):
