@@ -36,6 +36,7 @@ from gossamer.communicators import (
     Pending,
     difference_round,
     payload_exchange,
+    payload_poster,
     publish_differences,
 )
 from gossamer.communicators.base import Deferred, PostedState
@@ -45,6 +46,9 @@ from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.topology import Topology
 
 __all__ = ["LowPrecisionGossip", "ScatterGatherCompressed", "resolve_compressor"]
+
+# Tags of the posted ring, apart from gossamer's buckets and Bagua's shift_one segments.
+_KEY = 2 * KEYS
 
 # Bagua's compression names -> gossamer.compression's
 _NAMES = {"MinMaxUInt8": "uint8"}
@@ -304,51 +308,33 @@ class LowPrecisionGossip(Arrivals, _Compressed):
         )
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
+        """A posted round (see :meth:`posts`) runs here and returns without waiting.
+
+        The new model needs only this rank's difference; the peers' differences are
+        needed only by the next round (see
+        :func:`~gossamer.communicators.publish_differences`), so they travel while the
+        caller runs its next forward and backward passes. Bagua's op blocks instead.
+        """
+        self._take(index)
         if not self.posts(flat):
             return super()._start(flat, index)
         self._use_rank_streams()
-        new = self._among(flat.reshape(-1), index, None, self.me, self.nranks).view_as(flat)
+        x = flat.reshape(-1)
+        sw, peers, dsts = self._peers(self.me, self.nranks)
+        reps = self._state(index, x, peers)
+        nbytes = self.compressor.payload_nbytes(x.numel(), x.dtype)
+        sources = sorted({j for j, _, _ in peers})  # a ring of two: left is right
+        post = payload_poster(self._posted, index, nbytes, dsts, sources, self.codec, _KEY + index)
+        self._arrive(index, publish_differences(self.compressor, x, reps, sw, peers, post))
+        new = reps["self"].clone().view_as(flat)
         return Deferred(lambda: new)
 
     def _among(self, x: torch.Tensor, index: int, group: Any, me: int, n: int) -> torch.Tensor:
         sw, peers, dsts = self._peers(me, n)
         reps = self._state(index, x, peers)
         sources = sorted({j for j, _, _ in peers})  # a ring of two: left is right
-        self._take(index)
-        if group is None and self.posts(x):
-            post = self._poster(index, x, dsts, sources)
-            self._arrive(index, publish_differences(self.compressor, x, reps, sw, peers, post))
-            return reps["self"].clone()
         exchange = payload_exchange(dsts, sources, self.codec, group)
         return difference_round(self.compressor, x, reps, sw, peers, exchange)
-
-    def _poster(self, index: int, x: torch.Tensor, dsts: list[int], sources: list[int]):
-        """The ``post`` of a world round: its payload posted (``transport.post_exchange``).
-
-        The round then returns the new model without waiting: the peers'
-        differences are needed only by the next round (see
-        :func:`~gossamer.communicators.publish_differences`), so they travel while the
-        caller runs its next forward and backward passes. Bagua's op blocks instead.
-        """
-        nbytes = self.compressor.payload_nbytes(x.numel(), x.dtype)
-        receives = {
-            j: self._posted.buffer(index, slot, nbytes, torch.uint8)
-            for slot, j in enumerate(sources)
-        }
-        check = self._posted.needs_check(index, nbytes)
-
-        def post(buffer: torch.Tensor) -> Pending:
-            return transport.post_exchange(
-                "compressed_gossip",
-                buffer,
-                dict.fromkeys(dsts, buffer),
-                receives,
-                key=2 * KEYS + index,
-                check=check,
-                codec=self.codec,
-            )
-
-        return post
 
     def state_dict(self) -> dict:
         """Rounds and the replicas of every bucket (after the differences still arriving)."""

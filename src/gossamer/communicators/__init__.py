@@ -33,6 +33,7 @@ from gossamer.communicators.difference import (
     DifferenceGossip,
     difference_round,
     payload_exchange,
+    payload_poster,
     publish_differences,
 )
 from gossamer.communicators.moshpit import (
@@ -74,6 +75,7 @@ __all__ = [
     "make",
     "near_cubic_grid",
     "payload_exchange",
+    "payload_poster",
     "publish_differences",
     "sign_power",
 ]

@@ -46,6 +46,7 @@ __all__ = [
     "difference_payload",
     "difference_round",
     "payload_exchange",
+    "payload_poster",
     "publish_differences",
     "take_differences",
 ]
@@ -113,6 +114,36 @@ def payload_exchange(
         )
 
     return exchange
+
+
+def payload_poster(
+    posted: PostedState,
+    index: int,
+    nbytes: int,
+    dsts: Sequence[int],
+    sources: Sequence[int],
+    codec: int,
+    key: int | None = None,
+) -> Callable[[torch.Tensor], Pending]:
+    """The ``post`` of :func:`publish_differences` for a posted round of bucket ``index``.
+
+    It sends the ``nbytes`` payload to every destination and receives one from every
+    source into ``posted``'s buffers (``transport.post_exchange``, tags from ``key``,
+    default ``index``); a bucket's first round checks the layout across ranks.
+    """
+    receives = {
+        j: posted.buffer(index, slot, nbytes, torch.uint8) for slot, j in enumerate(sources)
+    }
+    check = posted.needs_check(index, nbytes)
+    key = index if key is None else key
+
+    def post(buffer: torch.Tensor) -> Pending:
+        sends = dict.fromkeys(dsts, buffer)
+        return transport.post_exchange(
+            _OP, buffer, sends, receives, key=key, check=check, codec=codec
+        )
+
+    return post
 
 
 def difference_payload(
@@ -245,18 +276,8 @@ class DifferenceGossip(Arrivals, RankStreams, Communicator):
         """
         self_weight, peers, dsts, replicas = self._plan(index, flat)
         nbytes = self.compressor.payload_nbytes(flat.numel(), flat.dtype)
-        receives = {
-            j: self._posted.buffer(index, slot, nbytes, torch.uint8)
-            for slot, (j, _, _) in enumerate(peers)
-        }
-        check = self._posted.needs_check(index, nbytes)
-
-        def post(buffer: torch.Tensor) -> Pending:
-            sends = dict.fromkeys(dsts, buffer)
-            return transport.post_exchange(
-                _OP, buffer, sends, receives, key=index, check=check, codec=self.codec
-            )
-
+        sources = [j for j, _, _ in peers]
+        post = payload_poster(self._posted, index, nbytes, dsts, sources, self.codec)
         self._arrive(
             index, publish_differences(self.compressor, flat, replicas, self_weight, peers, post)
         )
