@@ -36,12 +36,10 @@ from gossamer.communicators import (
     Pending,
     difference_round,
     payload_exchange,
-    payload_poster,
-    publish_differences,
 )
 from gossamer.communicators.base import Deferred, PostedState
 from gossamer.communicators.compressed import RankStreams, codec_id
-from gossamer.communicators.difference import Arrivals
+from gossamer.communicators.difference import Arrivals, payload_poster, publish_differences
 from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.topology import Topology
 
@@ -312,7 +310,7 @@ class LowPrecisionGossip(Arrivals, _Compressed):
 
         The new model needs only this rank's difference; the peers' differences are
         needed only by the next round (see
-        :func:`~gossamer.communicators.publish_differences`), so they travel while the
+        :func:`~gossamer.communicators.difference.publish_differences`), so they travel while the
         caller runs its next forward and backward passes. Bagua's op blocks instead.
         """
         self._take(index)
@@ -320,21 +318,23 @@ class LowPrecisionGossip(Arrivals, _Compressed):
             return super()._start(flat, index)
         self._use_rank_streams()
         x = flat.reshape(-1)
-        sw, peers, dsts = self._peers(self.me, self.nranks)
-        reps = self._state(index, x, peers)
+        sw, peers, dsts, sources, reps = self._plan(index, x, self.me, self.nranks)
         nbytes = self.compressor.payload_nbytes(x.numel(), x.dtype)
-        sources = sorted({j for j, _, _ in peers})  # a ring of two: left is right
         post = payload_poster(self._posted, index, nbytes, dsts, sources, self.codec, _KEY + index)
         self._arrive(index, publish_differences(self.compressor, x, reps, sw, peers, post))
         new = reps["self"].clone().view_as(flat)
         return Deferred(lambda: new)
 
     def _among(self, x: torch.Tensor, index: int, group: Any, me: int, n: int) -> torch.Tensor:
-        sw, peers, dsts = self._peers(me, n)
-        reps = self._state(index, x, peers)
-        sources = sorted({j for j, _, _ in peers})  # a ring of two: left is right
+        sw, peers, dsts, sources, reps = self._plan(index, x, me, n)
         exchange = payload_exchange(dsts, sources, self.codec, group)
         return difference_round(self.compressor, x, reps, sw, peers, exchange)
+
+    def _plan(self, index: int, x: torch.Tensor, me: int, n: int) -> tuple:
+        """(self weight, peers, destinations, sources, the bucket's replicas) of a round."""
+        sw, peers, dsts = self._peers(me, n)
+        sources = sorted({j for j, _, _ in peers})  # a ring of two: left is right
+        return sw, peers, dsts, sources, self._state(index, x, peers)
 
     def state_dict(self) -> dict:
         """Rounds and the replicas of every bucket (after the differences still arriving)."""

@@ -33,8 +33,6 @@ from gossamer.communicators.difference import (
     DifferenceGossip,
     difference_round,
     payload_exchange,
-    payload_poster,
-    publish_differences,
 )
 from gossamer.communicators.moshpit import (
     MoshpitAverage,
@@ -75,8 +73,6 @@ __all__ = [
     "make",
     "near_cubic_grid",
     "payload_exchange",
-    "payload_poster",
-    "publish_differences",
     "sign_power",
 ]
 
