@@ -1,14 +1,16 @@
 """Why weight averaging trails gradient allreduce on the Bagua digits example, without gossamer.
 
-    python -m benchmarks.bagua_digits_sim --seed 1 [--lr 1.0]
+    python -m benchmarks.bagua_digits_sim --seed 1 [--lr 1.0] [--passes 1]
 
 One process simulates ``examples/bagua_digits.py`` on 4 ranks with plain torch: the same
-shards, batches of 16, Adadelta and schedule. Gradient allreduce is one Adadelta on the
-mean of the 4 gradients; decentralized (``peer_selection_mode="all"``) averages the
-weights, then every rank takes its own Adadelta step on its own 16-sample gradient (each
-rank's optimizer state stays its own, as in Bagua). It prints the mean step lengths and
-both final test accuracies: the averaged step is shorter than allreduce's, because the
-mean of steps that Adadelta normalized separately partly cancels.
+shards, batches of 16, Adadelta and schedule (``--passes`` reshuffled passes over each
+shard per epoch, as the example's option, whose default there is 8). Gradient allreduce
+is one Adadelta on the mean of the 4 gradients; decentralized
+(``peer_selection_mode="all"``) averages the weights, then every rank takes its own
+Adadelta step on its own 16-sample gradient (each rank's optimizer state stays its own,
+as in Bagua). It prints the mean step lengths and both final test accuracies: the
+averaged step is shorter than allreduce's, because the mean of steps that Adadelta
+normalized separately partly cancels; more passes per epoch let both train to the end.
 """
 
 from __future__ import annotations
@@ -44,10 +46,19 @@ def _accuracy(model: torch.nn.Module, test) -> float:
         return (model(images).argmax(1) == labels).float().mean().item()
 
 
+def _passes(samplers, loaders, epoch: int, passes: int):
+    """Yield the 4 ranks' batches of ``passes`` reshuffled passes over their shards."""
+    for p in range(passes):
+        for sampler in samplers:
+            sampler.set_epoch(epoch * passes + p)
+        yield from zip(*loaders, strict=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1.0)
+    parser.add_argument("--passes", type=int, default=1, help="passes over the shard per epoch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ex = _example()
@@ -68,9 +79,7 @@ def main() -> None:
     schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, GAMMA) for o in [ar_opt, *opts]]
     ar_steps, avg_steps, rank_steps = [], [], []
     for epoch in range(1, EPOCHS + 1):
-        for sampler in samplers:
-            sampler.set_epoch(epoch)
-        for batches in zip(*loaders, strict=True):
+        for batches in _passes(samplers, loaders, epoch, args.passes):
             before = _flat(allreduce)
             ar_opt.zero_grad()
             for r, (x, y) in enumerate(batches):

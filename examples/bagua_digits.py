@@ -7,19 +7,25 @@ Run on 4 local ranks (any N works; with plain ``python`` it is a world of one)::
 
 ``--algorithm`` is one of ``gradient_allreduce`` (default), ``bytegrad``, ``decentralized``,
 ``low_precision_decentralized``, ``qadam`` and ``async``, as in Bagua's
-``examples/mnist/main.py``; the program is Bagua's with three changes: the import
+``examples/mnist/main.py``; the program is Bagua's with four changes: the import
 (``import gossamer.bagua as bagua``), the data (scikit-learn's bundled 8x8 digits, 1797
-images read from the file inside the package, nothing downloaded, a fixed 80/20 split) and
-the network's first dense layer (sized for 8x8 inputs). It runs on CPU (gloo) and, where
+images read from the file inside the package, nothing downloaded, a fixed 80/20 split),
+the network's first dense layer (sized for 8x8 inputs) and the length of an epoch. An
+MNIST epoch is 938 steps, a pass over the digits 23 (batch 64); an epoch here is
+``--passes`` reshuffled passes (default 8: 184 steps, 2576 in all), so that the schedule
+(learning rate decayed 0.7x per epoch) trains to the end. With ``--passes 1`` (322
+steps) every algorithm stops short, the weight-averaging ones about 2 points below
+gradient allreduce (docs/bagua-migration.md has both). It runs on CPU (gloo) and, where
 CUDA is available, on the rank's GPU (NCCL). Every rank trains on its
 ``DistributedSampler`` shard with a per-rank batch of ``--batch-size / world size``; rank 0
 prints the test loss and accuracy of its model after every epoch, and at the end the test
 accuracy of every rank's model (decentralized and asynchronous algorithms leave them
 slightly different). Dropout draws differ between ranks (Bagua's example seeds CUDA with
-``666 + rank``); QAdam takes its own ``--qadam-lr`` and ``--qadam-warmup-steps``: Bagua's
-example passes it Adadelta's 1.0, which is no learning rate for Adam, and on this short
-schedule (322 steps, decayed 0.7x per epoch) Adam's usual 1e-3 stops short, so the
-default is 1e-2 (docs/bagua-migration.md has the numbers).
+``666 + rank``); QAdam takes its own ``--qadam-lr`` (default 1e-3, Adam's usual: Bagua's
+example passes it Adadelta's 1.0, which is no learning rate for Adam) and
+``--qadam-warmup-steps`` (default a fifth of the steps, as Bagua's QAdam tutorial advises:
+after the warm-up the second moment is frozen, and with 60 warm-up steps of 2576 seed 1
+diverged).
 
 On one host, Bagua's default ``hierarchical=True`` (ByteGrad, both decentralized
 algorithms, QAdam) averages exactly inside the machine, so nothing is compressed or
@@ -177,16 +183,23 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="over all ranks")
     parser.add_argument("--test-batch-size", type=int, default=1000)
     parser.add_argument("--epochs", type=int, default=14)
+    parser.add_argument(
+        "--passes", type=int, default=8, help="passes over the shard per epoch (MNIST is longer)"
+    )
     parser.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate")
     parser.add_argument("--gamma", type=float, default=0.7, help="learning-rate decay per epoch")
     parser.add_argument("--log-interval", type=int, default=10)
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="gradient_allreduce")
     parser.add_argument("--async-sync-interval", type=int, default=500, help="ms, for async")
-    parser.add_argument("--qadam-lr", type=float, default=1e-2, help="QAdam learning rate")
-    parser.add_argument("--qadam-warmup-steps", type=int, default=60)
+    parser.add_argument("--qadam-lr", type=float, default=1e-3, help="QAdam learning rate")
+    parser.add_argument(
+        "--qadam-warmup-steps", type=int, default=None, help="default: a fifth of the steps"
+    )
     parser.add_argument("--set-deterministic", action="store_true")
     parser.add_argument("--seed", type=int, default=666)
     args = parser.parse_args()
+    if args.passes < 1:
+        parser.error(f"--passes must be >= 1; got {args.passes}")
 
     if args.set_deterministic:
         np.random.seed(args.seed)
@@ -215,6 +228,9 @@ def main() -> None:
         train_set, sampler=sampler, batch_size=max(args.batch_size // bagua.get_world_size(), 1)
     )
     test_loader = torch.utils.data.DataLoader(test_set, batch_size=args.test_batch_size)
+    steps = args.epochs * args.passes * len(train_loader)
+    if args.qadam_warmup_steps is None:
+        args.qadam_warmup_steps = steps // 5
 
     model = Net().to(device)
     # Dropout draws from here on: a different stream on every rank, as Bagua's example
@@ -226,10 +242,11 @@ def main() -> None:
 
     accuracy = 0.0
     for epoch in range(1, args.epochs + 1):
-        sampler.set_epoch(epoch)
         if args.algorithm == "async":
             model.bagua_algorithm.resume(model)
-        train(args, model, train_loader, optimizer, epoch, device)
+        for p in range(args.passes):  # a fresh shuffle each pass
+            sampler.set_epoch(epoch * args.passes + p)
+            train(args, model, train_loader, optimizer, epoch, device)
         if args.algorithm == "async":
             model.bagua_algorithm.abort(model)
         _, accuracy = test(model, test_loader, device)
@@ -240,7 +257,6 @@ def main() -> None:
     every = torch.zeros(bagua.get_world_size(), device=device)
     bagua.allgather(mine, every)
     if bagua.get_rank() == 0:
-        steps = args.epochs * len(train_loader)
         print(
             f"{args.algorithm}: {bagua.get_world_size()} ranks x {steps} steps; test accuracy "
             f"per rank {', '.join(f'{a:.4f}' for a in every.tolist())}; "
