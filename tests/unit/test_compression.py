@@ -8,6 +8,7 @@ import dataclasses
 import doctest
 import importlib
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,18 @@ def test_payload_rebuilt_from_bytes_decodes_the_same(compressor):
     big[1 : 1 + payload.nbytes] = payload.buffer
     shifted = Payload(big[1 : 1 + payload.nbytes], x.shape, torch.float32)
     torch.testing.assert_close(compressor.decompress(shifted), expected, rtol=0, atol=0)
+
+
+def test_threads_encoding_at_once_get_their_own_temporaries():
+    # uint8 keeps its block temporaries per thread; two threads interleaving must not
+    # see each other's.
+    compressor = MinMaxUInt8(chunks=3)
+    inputs = [_tensor((3 * (1 << 19) + 5,), torch.float32, seed=s) for s in range(4)]
+    expected = [compressor.compress(x).buffer for x in inputs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda x: compressor.compress(x).buffer, inputs))
+            assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
 
 
 @pytest.mark.parametrize("compressor", COMPRESSORS.values(), ids=COMPRESSORS.keys())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -16,6 +17,7 @@ __all__ = [
     "format_value",
     "join",
     "kept",
+    "scratch",
 ]
 
 
@@ -25,6 +27,26 @@ __all__ = [
 # per pass: measured 1.5-3x faster on 5 M elements. GPUs get one block, since small
 # kernels there would only add launch overhead.
 CPU_BLOCK = 1 << 19
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device, slot: str) -> torch.Tensor:
+    """A 1-d tensor of ``numel`` elements for one call's temporaries, reused on this thread.
+
+    A fresh CPU temporary of a few MB is a fresh mapping that page-faults on every call (a
+    1 M-element ``uint8`` compress took 1000 faults and 1.6 ms of system time besides its
+    1.2 ms of work). So each thread keeps one per ``(slot, dtype)``, valid until its next
+    use under the same key. Other devices get a new tensor (their allocators cache).
+    """
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    pool = _SCRATCH.__dict__.setdefault("pool", {})
+    kept = pool.get((slot, dtype))
+    if kept is None or kept.numel() < numel:
+        kept = pool[(slot, dtype)] = torch.empty(numel, dtype=dtype)
+    return kept[:numel]
 
 
 def block_slices(numel: int, device: torch.device, multiple: int = 8) -> list[slice]:

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from gossamer.compression._common import CPU_BLOCK, Reader, check_int, compute_dtype
+from gossamer.compression._common import CPU_BLOCK, Reader, check_int, compute_dtype, scratch
 from gossamer.compression.base import Compressor
 
 __all__ = ["MinMaxUInt8"]
@@ -178,8 +178,8 @@ def _quantize(
     ``add_to`` (of dtype ``cdt``), if given, gets the decoded values added.
     """
     size = min(x.numel(), CPU_BLOCK)
-    work = torch.empty(size, dtype=cdt, device=x.device)
-    whole = torch.empty(size, dtype=torch.int32, device=x.device)
+    work = scratch(size, cdt, x.device, "quantize")
+    whole = scratch(size, torch.int32, x.device, "quantize")
     for rs, cs in _blocks(*x.shape, x.device):
         xb = x[rs, cs]
         tb = work[: xb.numel()].view(xb.shape)
@@ -204,9 +204,7 @@ def _dequantize(
 ) -> None:
     """Write ``(codes + lower) / scale`` into ``out`` (``add``: add it), computed in ``cdt``."""
     direct = out.dtype == cdt and not add
-    work = (
-        None if direct else torch.empty(min(out.numel(), CPU_BLOCK), dtype=cdt, device=out.device)
-    )
+    work = None if direct else scratch(min(out.numel(), CPU_BLOCK), cdt, out.device, "dequantize")
     for rs, cs in _blocks(*out.shape, out.device):
         ob = out[rs, cs]
         tb = ob if work is None else work[: ob.numel()].view(ob.shape)
