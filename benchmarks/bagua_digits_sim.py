@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1.0)
     parser.add_argument("--passes", type=int, default=1, help="passes over the shard per epoch")
     args = parser.parse_args()
+    if args.passes < 1:
+        parser.error(f"--passes must be >= 1; got {args.passes}")
     torch.set_num_threads(1)
     ex = _example()
     train, test = ex.datasets(args.seed)
