@@ -243,19 +243,25 @@ def test_qadam_warmup_is_adam_and_compressed_steps_within_5_percent():
 LP_STEPS, LP_LR = 60, 0.02
 
 
-def _low_precision(kwargs):
+def _low_precision_steps(steps, kwargs):
+    """This rank's weights after every step of Bagua's low-precision algorithm(**kwargs)."""
     bagua.init_process_group()
     r = bagua.get_rank()
-    m = _model(r)
+    m = _model(r)  # with_bagua starts every rank from rank 0's model
     opt = torch.optim.SGD(m.parameters(), lr=LP_LR)
-    algorithm = decentralized.LowPrecisionDecentralizedAlgorithm(hierarchical=False, **kwargs)
-    m = m.with_bagua([opt], algorithm)
+    m = m.with_bagua([opt], decentralized.LowPrecisionDecentralizedAlgorithm(**kwargs))
     x, y = _data(r)
-    for _ in range(LP_STEPS):
+    models = []
+    for _ in range(steps):
         opt.zero_grad()
         _loss(m, x, y).backward()
         opt.step()
-    return _flat(m.parameters())
+        models.append(_flat(m.parameters()))
+    return models
+
+
+def _low_precision(kwargs):
+    return _low_precision_steps(LP_STEPS, {"hierarchical": False, **kwargs})[-1]
 
 
 def _gossip_reference(W):
@@ -338,23 +344,6 @@ def test_low_precision_gossip_draws_a_stream_per_rank(world_size):
 
 
 # ------------------------------------------------- the ring's differences left in flight
-def _low_precision_steps(steps, hierarchical):
-    bagua.init_process_group()
-    r = bagua.get_rank()
-    m = _model(r)  # with_bagua starts every rank from rank 0's model
-    opt = torch.optim.SGD(m.parameters(), lr=LP_LR)
-    algorithm = decentralized.LowPrecisionDecentralizedAlgorithm(hierarchical=hierarchical)
-    m = m.with_bagua([opt], algorithm)
-    x, y = _data(r)
-    models = []
-    for _ in range(steps):
-        opt.zero_grad()
-        _loss(m, x, y).backward()
-        opt.step()
-        models.append(_flat(m.parameters()))
-    return models
-
-
 def _low_precision_simulated(n, steps):
     """Bagua's low-precision decentralized SGD in one process, blocking rounds."""
     models = [_model(0) for _ in range(n)]
@@ -383,7 +372,8 @@ def test_low_precision_steps_are_the_blocking_rings_while_differences_travel(
     Hierarchical with one rank per machine is the same ring, posted too.
     """
     env = {"GOSSAMER_NODES_PER_MACHINE": "1"}
-    got = run_distributed(_low_precision_steps, world_size, args=(8, hierarchical), env=env)
+    args = (8, {"hierarchical": hierarchical})
+    got = run_distributed(_low_precision_steps, world_size, args=args, env=env)
     want = _low_precision_simulated(world_size, 8)
     for rank, models in enumerate(got):
         for step, model in enumerate(models):

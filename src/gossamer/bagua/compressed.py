@@ -311,7 +311,8 @@ class LowPrecisionGossip(Arrivals, _Compressed):
         The new model needs only this rank's difference; the peers' differences are
         needed only by the next round (see
         :func:`~gossamer.communicators.difference.publish_differences`), so they travel while the
-        caller runs its next forward and backward passes. Bagua's op blocks instead.
+        caller runs its next forward and backward passes. Bagua's op blocks instead. The
+        result is a buffer kept for the bucket, valid until its next round.
         """
         self._take(index)
         if not self.posts(flat):
@@ -322,7 +323,7 @@ class LowPrecisionGossip(Arrivals, _Compressed):
         nbytes = self.compressor.payload_nbytes(x.numel(), x.dtype)
         post = payload_poster(self._posted, index, nbytes, dsts, sources, self.codec, _KEY + index)
         self._arrive(index, publish_differences(self.compressor, x, reps, sw, peers, post))
-        new = reps["self"].clone().view_as(flat)
+        new = self._posted.result(index, x).copy_(reps["self"]).view_as(flat)
         return Deferred(lambda: new)
 
     def _among(self, x: torch.Tensor, index: int, group: Any, me: int, n: int) -> torch.Tensor:

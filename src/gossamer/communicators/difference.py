@@ -193,6 +193,10 @@ class Arrivals:
             if take is not None:
                 take()
 
+    def close(self) -> None:
+        """Wait for the differences still arriving."""
+        self._take()
+
 
 class DifferenceGossip(Arrivals, RankStreams, Communicator):
     r"""Each round: DCD-PSGD over a static graph, sending compressed differences.
@@ -283,10 +287,6 @@ class DifferenceGossip(Arrivals, RankStreams, Communicator):
         )
         out = self._posted.result(index, flat).copy_(replicas["self"])
         return Deferred(lambda: out)
-
-    def close(self) -> None:
-        """Wait for the differences still arriving."""
-        self._take()
 
     def state_dict(self) -> dict:
         """Rounds, the replicas of every bucket, and the compressor's stream position.
