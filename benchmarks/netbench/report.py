@@ -69,6 +69,7 @@ def _exp2_offsets(n: int) -> list[int]:
 # Compressed strategies: (the uncompressed pattern they follow, bytes sent per model byte).
 COMPRESSED = {
     "choco-uint8/one-peer": ("atc/one-peer", 0.25),
+    "choco-uint8-copy/one-peer": ("atc/one-peer", 0.25),
     "bytegrad": ("ddp", 0.25),
     "bagua-bytegrad": ("ddp", 0.25),
     "bagua-qadam": ("ddp", 0.25),  # the 8-bit gradient average after one warm-up step
@@ -107,7 +108,7 @@ def host_egress_bytes(strategy: str, model_bytes: float, ranks: int, per_host: i
     if strategy in EXP2:
         return max(sum(m for r in range(h * p, h * p + p) for o in offsets if off_host(r, o))
                    for h in range(hosts))  # fmt: skip
-    if strategy in ONE_PEER or strategy.startswith("awc-"):
+    if strategy in ONE_PEER or strategy.startswith(("awc-", "atc-")):
         # The schedule cycles through the offsets; average over one cycle.
         per_offset = [
             max(sum(m for r in range(h * p, h * p + p) if off_host(r, o)) for h in range(hosts))

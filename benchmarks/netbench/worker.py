@@ -354,6 +354,35 @@ def _fixed_peer(offset: int):
     return itertools.repeat(topo.Step((send,), (recv,), 0.5, {recv: 0.5}, {send: 1.0}))
 
 
+def _variant(suffix: str) -> dict:
+    """The optimizer options that a strategy's dash-separated suffix names.
+
+    ``-one-bucket``, ``-<N>mb`` (bucket size), ``-forward`` or ``-k<K>`` (``send_order``),
+    ``-copy`` (the parameters stay out of the buckets: a copy into them and one out of them
+    per round, as before session 16).
+    """
+    options: dict = {}
+    for part in filter(None, suffix.replace("one-bucket", "onebucket").split("-")):
+        if part == "copy":
+            options["copy"] = True
+        elif part == "onebucket":
+            options["fusion_threshold_bytes"] = 2**40
+        elif part.endswith("mb"):
+            options["fusion_threshold_bytes"] = int(float(part.removesuffix("mb")) * 2**20)
+        elif part == "forward":
+            options["send_order"] = "forward"
+        elif part.startswith("k") and part[1:].isdigit():
+            options["send_order"] = int(part[1:])
+        else:
+            raise ValueError(f"unknown strategy option {part!r}")
+    return options
+
+
+def _copying(cls: type, copy: bool) -> type:
+    """``cls``, or with ``copy`` its variant whose parameters stay out of the buckets."""
+    return type(f"Copying{cls.__name__}", (cls,), {"params_in_buckets": False}) if copy else cls
+
+
 def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
     """The model to call and the optimizer to step for ``strategy``, around ``sgd``."""
     size, rank = gossamer.size(), gossamer.rank()
@@ -370,24 +399,19 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         return model, optim.AdaptWithCombine(sgd, model, topology=topo.exponential_two(size))
     if strategy == "atc/exp2":
         return model, optim.AdaptThenCombine(sgd, model, topology=topo.exponential_two(size))
-    if strategy == "atc/one-peer":
+    if strategy.startswith("atc") and strategy.endswith("/one-peer"):
+        # atc[-forward|-k<K>][-<N>mb]/one-peer: send_order "forward" or K, buckets of N MiB.
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
-        return model, optim.AdaptThenCombine(sgd, model, schedule=schedule)
-    if strategy == "atc-forward/one-peer":
-        # ATC whose rounds go front of the model first after the first bucket (send_order).
-        schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
-        return model, optim.AdaptThenCombine(sgd, model, schedule=schedule, send_order="forward")
+        options = _variant(strategy.removesuffix("/one-peer").removeprefix("atc"))
+        atc = _copying(optim.AdaptThenCombine, options.pop("copy", False))
+        return model, atc(sgd, model, schedule=schedule, **options)
     if strategy.startswith("awc") and strategy.endswith("/one-peer"):
         # awc-one-bucket: the whole model in one bucket (one exchange and one call header
         # per step instead of one per 8 MiB bucket); awc-<N>mb: buckets of N MiB.
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
-        variant = strategy.removesuffix("/one-peer").removeprefix("awc").strip("-")
-        fusion = {}
-        if variant == "one-bucket":
-            fusion = {"fusion_threshold_bytes": 2**40}
-        elif variant:
-            fusion = {"fusion_threshold_bytes": int(float(variant.removesuffix("mb")) * 2**20)}
-        return model, optim.AdaptWithCombine(sgd, model, schedule=schedule, **fusion)
+        options = _variant(strategy.removesuffix("/one-peer").removeprefix("awc"))
+        awc = _copying(optim.AdaptWithCombine, options.pop("copy", False))
+        return model, awc(sgd, model, schedule=schedule, **options)
     if strategy in ("raw/one-peer", "raw-exchange/one-peer"):
         return model, RawOnePeer(sgd, model)
     if strategy.startswith("raw-exchange/s"):
@@ -410,10 +434,11 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         return model, GossamerExchange(sgd, model)
     if strategy == "raw-overlap/one-peer":
         return model, RawOverlapOnePeer(sgd, model)
-    if strategy == "choco-uint8/one-peer":
+    if strategy in ("choco-uint8/one-peer", "choco-uint8-copy/one-peer"):
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
         choco = communicators.ChocoGossip("uint8", schedule=schedule)
-        return model, optim.AdaptWithCombine(sgd, model, communicator=choco)
+        awc = _copying(optim.AdaptWithCombine, "-copy" in strategy)
+        return model, awc(sgd, model, communicator=choco)
     if strategy == "dcd-uint8/ring":
         # Bagua's low-precision ring as gossamer's own DCD under ATC: each bucket's round
         # starts from the backward pass instead of after the step.

@@ -70,8 +70,9 @@ def weighted_sum(
     sum first, then divide, which is exact where multiplying by ``1/(k+1)`` would round
     (BlueFog computes it this way). Sources are added in ascending rank order. float16 and
     bfloat16 are combined in float32, integers and bool in float64 (then rounded); the
-    result has ``x``'s dtype and never aliases ``x``. ``out`` (x's shape and dtype, not
-    ``x``) receives a float32 or float64 result instead of a new tensor.
+    result has ``x``'s dtype. ``out`` (x's shape and dtype; ``x`` itself to combine in
+    place) receives a float32 or float64 result instead of a new tensor; only then does the
+    result alias ``x``.
     """
     wide = _wide(x.dtype)
     into = out if wide == x.dtype else None

@@ -140,6 +140,38 @@ def test_fusion_on_and_off_give_the_same_result(kind):
             torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
 
 
+def _in_buckets(kind, compression, adopt):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    cls = optim.AdaptWithCombine if kind == "awc" else optim.AdaptThenCombine
+    cls = type("Variant", (cls,), {"params_in_buckets": adopt})
+    opt = cls(sgd, model, compression=compression, fusion_threshold_bytes=256)
+    views = {p: v for b in opt.buckets for p, v in zip(b.tensors, b.views, strict=True)}
+    g = torch.Generator().manual_seed(gossamer.rank())
+    x, y = torch.randn(32, 6, generator=g), torch.randn(32, 1, generator=g)
+    for _ in range(6):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    opt.synchronize()
+    inside = [p.data_ptr() == views[p].data_ptr() for p in model.parameters()]
+    return inside, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("compression", [None, "uint8"])
+@pytest.mark.parametrize("kind", ["awc", "atc"])
+def test_parameters_live_in_the_buckets_and_train_as_when_copied(kind, compression):
+    # Adopted parameters are read by the rounds and written by the combines in place; the
+    # same steps with the parameters copied into and out of the buckets are the reference.
+    inside = run_distributed(_in_buckets, 3, args=(kind, compression, True))
+    copied = run_distributed(_in_buckets, 3, args=(kind, compression, False))
+    for (where, a), (elsewhere, b) in zip(inside, copied, strict=True):
+        assert all(where) and not any(elsewhere)
+        for pa, pb in zip(a, b, strict=True):
+            assert torch.equal(pa, pb)
+
+
 def _asynchronous(kind, steps, slow_rank, flags):
     import os
     import time

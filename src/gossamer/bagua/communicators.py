@@ -151,8 +151,13 @@ class GroupCommunicator(Communicator):
         """This participant's index: group rank, or machine rank when hierarchical."""
         return context.machine_rank() if self.hierarchical else group_rank(self.group)
 
-    def start(self, flat: torch.Tensor, index: int = 0) -> Pending | None:
-        """Start this round on ``flat``; None when the group is a single rank."""
+    def start(
+        self, flat: torch.Tensor, index: int = 0, *, in_place: bool = False
+    ) -> Pending | None:
+        """Start this round on ``flat``; None when the group is a single rank.
+
+        ``in_place`` is ignored: Bagua's patterns return buffers of their own.
+        """
         if group_size(self.group) == 1:
             return None
         return self._start(flat, index)

@@ -143,13 +143,28 @@ class Communicator(abc.ABC):
     def _advance(self) -> None:  # noqa: B027 - optional hook
         """Pick this round's peers (dynamic patterns)."""
 
-    def start(self, flat: torch.Tensor, index: int = 0) -> Pending | None:
-        """Start this round on bucket ``index``, whose value is ``flat``; None: unchanged."""
+    def start(
+        self, flat: torch.Tensor, index: int = 0, *, in_place: bool = False
+    ) -> Pending | None:
+        """Start this round on bucket ``index``, whose value is ``flat``; None: unchanged.
+
+        ``in_place=True`` lets the round write its result into ``flat`` itself (in its
+        ``wait()``, not before) instead of into a buffer of its own, for a caller that would
+        copy it there. Only posted neighbour and CHOCO rounds do; the others return a tensor
+        of their own as before, so the caller still takes the result from ``wait()``.
+        """
         if context.size() == 1:
             return None
         if self._global:
             return self._global_start(flat)
+        self._in_place = in_place
         return self._start(flat, index)
+
+    _in_place = False  # the in_place of the round being started
+
+    def _result_buffer(self, posted: PostedState, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """Where a posted round writes its result: ``flat`` if in place, else a kept buffer."""
+        return flat if self._in_place else posted.result(index, flat)
 
     def _global_start(self, flat: torch.Tensor) -> Pending | None:
         """A global round: an ``allreduce`` average."""

@@ -245,10 +245,12 @@ class ChocoGossip(RankStreams, Scheduled):
         received: dict[int, torch.Tensor],
         weights: dict[int, float],
         out: torch.Tensor | None = None,
+        in_place: bool = False,
     ) -> torch.Tensor:
         """Update the in-neighbours' copies with what arrived; the new value, in ``out``.
 
-        ``out`` (default: a new tensor) must not overlap ``flat`` or the copies.
+        ``out`` (default: a new tensor) must not overlap ``flat`` or the copies; with
+        ``in_place`` it is only the scratch and the new value is written into ``flat``.
         """
         replicas = []
         for src in weights:
@@ -260,13 +262,14 @@ class ChocoGossip(RankStreams, Scheduled):
         own = (copies[0] if len(copies) == 1 else sum(copies) / len(copies)) if copies else flat
         pull = torch.empty_like(flat) if out is None else out
         gamma, ws = self.bucket_gamma(index), list(weights.values())
+        into = flat if in_place else pull
         if len(ws) == 1:  # one-peer: x + gamma w (h_j - h_i), two passes
             torch.sub(replicas[0], own, out=pull)
-            return torch.add(flat, pull, alpha=gamma * ws[0], out=pull)
+            return torch.add(flat, pull, alpha=gamma * ws[0], out=into)
         torch.mul(own, -sum(ws), out=pull)
         for replica, w in zip(replicas, ws, strict=True):
             pull.add_(replica, alpha=w)
-        return torch.add(flat, pull, alpha=gamma, out=pull)
+        return torch.add(flat, pull, alpha=gamma, out=into)
 
     def _round(
         self, x: torch.Tensor, index: int, dsts: list[int], weights: dict[int, float], edged: bool
@@ -292,7 +295,8 @@ class ChocoGossip(RankStreams, Scheduled):
         Compression runs here; the exchange is :func:`gossamer.transport.post_exchange`,
         whose first round per bucket checks the payload layout (and the codec) across ranks.
         The new value is written into a buffer kept for the bucket, valid until its next
-        round (as :class:`~gossamer.communicators.NeighborAllreduce`'s).
+        round (as :class:`~gossamer.communicators.NeighborAllreduce`'s), or with
+        ``in_place`` into ``flat`` (the buffer then only holds the differences).
         """
         out = self._posted.result(index, flat)  # holds the differences until the combine
         mine, sends = self._encode(flat, index, dsts, edged, out)
@@ -306,7 +310,10 @@ class ChocoGossip(RankStreams, Scheduled):
         exchange = transport.post_exchange(
             _OP, probe, sends, receives, key=index, check=check, codec=self.codec
         )
-        return Deferred(lambda: self._combine(flat, index, mine, exchange.wait(), weights, out))
+        in_place = self._in_place
+        return Deferred(
+            lambda: self._combine(flat, index, mine, exchange.wait(), weights, out, in_place)
+        )
 
     def state_dict(self) -> dict:
         """Rounds, schedule position, the compressor's state and every public copy."""

@@ -198,7 +198,8 @@ class NeighborAllreduce(Scheduled):
 
         The combine is :func:`gossamer.neighbor_allreduce`'s: uniform weights sum first,
         then divide. It is written into a buffer kept for the bucket, which its next round
-        overwrites: a fresh model-sized tensor per round costs its page faults every time.
+        overwrites (a fresh model-sized tensor per round costs its page faults every time),
+        or with ``in_place`` into ``flat`` once the sends of ``flat`` are done.
         """
         receives = {
             s: self._posted.buffer(index, slot, flat.numel(), flat.dtype)
@@ -208,7 +209,7 @@ class NeighborAllreduce(Scheduled):
         sends = scaled_copies(flat, dsts)
         exchange = transport.post_exchange(self.name, flat, sends, receives, key=index, check=check)
         mix = None if is_uniform(self_weight, weights, sources) else weights
-        out = self._posted.result(index, flat)
+        out = self._result_buffer(self._posted, index, flat)
         return Deferred(lambda: weighted_sum(flat, self_weight, exchange.wait(), mix, out))
 
 

@@ -103,8 +103,13 @@ class _WindowGossip(Scheduled):
             weights = self.step.dst_weights
         return {d: w * share for d, w in weights.items() if d not in self.dead}
 
-    def start(self, flat: torch.Tensor, index: int = 0) -> Pending | None:
-        """This round on bucket ``index`` (window rounds have no global-average variant)."""
+    def start(
+        self, flat: torch.Tensor, index: int = 0, *, in_place: bool = False
+    ) -> Pending | None:
+        """This round on bucket ``index`` (window rounds have no global-average variant).
+
+        ``in_place`` is ignored: the combine reads the window, which owns its buffers.
+        """
         if context.size() == 1:
             return None
         if self.elastic:

@@ -55,6 +55,11 @@ class DecentralizedOptimizer:
             on its own.
     """
 
+    #: whether the parameters move into the buckets (:meth:`gossamer.fusion.Bucket.adopt`):
+    #: each parameter's ``.data`` becomes a view of its bucket's flat buffer, so a round
+    #: reads them without a copy and writes its result into them in place
+    params_in_buckets = False
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -106,6 +111,9 @@ class DecentralizedOptimizer:
         # Reverse registration order approximates the order gradients become ready.
         self.params = list(reversed(params))
         self.buckets: list[Bucket] = bucketize(self.params, fusion_threshold_bytes)
+        if self.params_in_buckets:
+            for bucket in self.buckets:
+                bucket.adopt()
         if not isinstance(elastic, bool):
             raise TypeError(f"elastic must be a bool; got {elastic!r}")
         options = {
@@ -219,7 +227,9 @@ class DecentralizedOptimizer:
     def _start_rounds(self) -> None:
         self.communicator.next_round()
         for index, bucket in enumerate(self.buckets):
-            self._pending.append((bucket, self.communicator.start(bucket.pack(), index), None))
+            # The packing buffer is refilled before every round: the result may go into it.
+            handle = self.communicator.start(bucket.pack(), index, in_place=True)
+            self._pending.append((bucket, handle, None))
 
     def synchronize(self) -> None:
         """Wait for the communication in flight and write its results into the parameters."""

@@ -48,6 +48,7 @@ class AdaptWithCombine(DecentralizedOptimizer):
 
     #: warn when the model runs forward twice before a step (only the first communicates)
     warn_on_second_forward = True
+    params_in_buckets = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, model, **kwargs) -> None:
         super().__init__(optimizer, model, **kwargs)
@@ -55,8 +56,8 @@ class AdaptWithCombine(DecentralizedOptimizer):
         self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in self.models]
 
     def _before_forward(self, module, inputs) -> None:
-        # The exchange of x_t reads a packed copy, so it may run while forward and backward
-        # read x_t itself: the whole step hides the wire time.
+        # The exchange only reads x_t (the parameters live in the buckets), so it runs while
+        # forward and backward read x_t too: the whole step hides the wire time.
         if not (module.training and torch.is_grad_enabled()):
             return
         if self._started:
@@ -152,6 +153,8 @@ class AdaptThenCombine(BucketwiseOptimizer):
         >>> opt.step()                 # steps and sends what backward left (unused params)
         >>> model(x)                   # each module waits for its own averaged parameters
     """
+
+    params_in_buckets = True
 
     def __init__(
         self,

@@ -213,9 +213,10 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
             if self._queued == 0:  # the step's first round fixes its peers (dynamic schedules)
                 self.communicator.next_round()
             sent, finish = self._ready.pop(index)
-            self._pending.append(
-                (self.buckets[index], self.communicator.start(sent, index), finish)
-            )
+            bucket = self.buckets[index]
+            # The result may overwrite the packing buffer, not a tensor that finish reads.
+            handle = self.communicator.start(sent, index, in_place=sent is bucket.flat)
+            self._pending.append((bucket, handle, finish))
             self._queued += 1
 
     def _take_remaining_steps(self) -> None:

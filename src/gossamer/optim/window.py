@@ -38,6 +38,8 @@ class _OverWindows:
     """
 
     gossip: type[WindowPutGossip | PushSumGossip]
+    # Win-put's windows share the packing buffer, which must stay a snapshot of the round.
+    params_in_buckets = False
 
     def __init__(
         self,
