@@ -120,14 +120,19 @@ def _fusion(threshold, kind):
     sgd = torch.optim.SGD(model.parameters(), lr=0.05)
     cls = optim.AdaptWithCombine if kind == "awc" else optim.AdaptThenCombine
     opt = cls(sgd, model, fusion_threshold_bytes=threshold)
+    return len(opt.buckets), _regress(model, opt, 10)
+
+
+def _regress(model, opt, steps):
+    """``steps`` of least squares on this rank's data; the parameters after them."""
     g = torch.Generator().manual_seed(gossamer.rank())
     x, y = torch.randn(32, 6, generator=g), torch.randn(32, 1, generator=g)
-    for _ in range(10):
+    for _ in range(steps):
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
     opt.synchronize()
-    return len(opt.buckets), [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("kind", ["awc", "atc"])
@@ -148,15 +153,8 @@ def _in_buckets(kind, compression, adopt):
     cls = type("Variant", (cls,), {"params_in_buckets": adopt})
     opt = cls(sgd, model, compression=compression, fusion_threshold_bytes=256)
     views = {p: v for b in opt.buckets for p, v in zip(b.tensors, b.views, strict=True)}
-    g = torch.Generator().manual_seed(gossamer.rank())
-    x, y = torch.randn(32, 6, generator=g), torch.randn(32, 1, generator=g)
-    for _ in range(6):
-        opt.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-    opt.synchronize()
-    inside = [p.data_ptr() == views[p].data_ptr() for p in model.parameters()]
-    return inside, [p.detach().clone() for p in model.parameters()]
+    trained = _regress(model, opt, 6)
+    return [p.data_ptr() == views[p].data_ptr() for p in model.parameters()], trained
 
 
 @pytest.mark.parametrize("compression", [None, "uint8"])
