@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import gossamer
-from gossamer import ops, optim
+from gossamer import communicators, ops, optim
 from gossamer.testing import run_distributed
 from problems import (
     least_squares_data,
@@ -286,6 +286,13 @@ def _bad_arguments():
             ValueError,
             "threshold_bytes",
             lambda: optim.AdaptWithCombine(sgd, model, fusion_threshold_bytes=-1),
+        ),
+        (
+            ValueError,
+            r"Allreduce\(in_place=True\) writes into its input .* AdaptWithCombine keeps",
+            lambda: optim.AdaptWithCombine(
+                sgd, model, communicator=communicators.Allreduce(in_place=True)
+            ),
         ),
         (
             ValueError,

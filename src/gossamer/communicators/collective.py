@@ -20,7 +20,9 @@ class Allreduce(Communicator):
 
     Args:
         in_place (bool): a round may overwrite the tensor it is given with the average
-            (the optimizer's own fusion buffer), saving a copy of every bucket.
+            while it is in flight (the optimizer's own fusion buffer of gradients), saving
+            a copy of every bucket. Refused by AWC and ATC, whose buckets hold the
+            parameters themselves.
         global_average_every: as :class:`Communicator`'s.
     """
 

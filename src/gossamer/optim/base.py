@@ -111,9 +111,6 @@ class DecentralizedOptimizer:
         # Reverse registration order approximates the order gradients become ready.
         self.params = list(reversed(params))
         self.buckets: list[Bucket] = bucketize(self.params, fusion_threshold_bytes)
-        if self.params_in_buckets:
-            for bucket in self.buckets:
-                bucket.adopt()
         if not isinstance(elastic, bool):
             raise TypeError(f"elastic must be a bool; got {elastic!r}")
         options = {
@@ -127,6 +124,16 @@ class DecentralizedOptimizer:
             "elastic": elastic or None,
         }
         self.communicator = _communicator(communicator, options)
+        if self.params_in_buckets and getattr(self.communicator, "in_place", False):
+            raise ValueError(
+                f"communicator={type(self.communicator).__name__}(in_place=True) writes into "
+                f"its input while the round is in flight; {type(self).__name__} keeps the "
+                "parameters in its buckets, which forward and backward read meanwhile: give "
+                "it a communicator without in_place"
+            )
+        if self.params_in_buckets:
+            for bucket in self.buckets:
+                bucket.adopt()
         self.communicator.bind(self.buckets)
         self._hooks: list = []
         self.num_steps_per_communication = num_steps_per_communication
