@@ -399,19 +399,13 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         return model, optim.AdaptWithCombine(sgd, model, topology=topo.exponential_two(size))
     if strategy == "atc/exp2":
         return model, optim.AdaptThenCombine(sgd, model, topology=topo.exponential_two(size))
-    if strategy.startswith("atc") and strategy.endswith("/one-peer"):
-        # atc[-forward|-k<K>][-<N>mb]/one-peer: send_order "forward" or K, buckets of N MiB.
+    if strategy.startswith(("atc", "awc")) and strategy.endswith("/one-peer"):
+        # atc|awc[-one-bucket|-<N>mb][-forward|-k<K>][-copy]/one-peer (see _variant).
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
-        options = _variant(strategy.removesuffix("/one-peer").removeprefix("atc"))
-        atc = _copying(optim.AdaptThenCombine, options.pop("copy", False))
-        return model, atc(sgd, model, schedule=schedule, **options)
-    if strategy.startswith("awc") and strategy.endswith("/one-peer"):
-        # awc-one-bucket: the whole model in one bucket (one exchange and one call header
-        # per step instead of one per 8 MiB bucket); awc-<N>mb: buckets of N MiB.
-        schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
-        options = _variant(strategy.removesuffix("/one-peer").removeprefix("awc"))
-        awc = _copying(optim.AdaptWithCombine, options.pop("copy", False))
-        return model, awc(sgd, model, schedule=schedule, **options)
+        options = _variant(strategy.removesuffix("/one-peer")[3:])
+        cls = optim.AdaptThenCombine if strategy.startswith("atc") else optim.AdaptWithCombine
+        cls = _copying(cls, options.pop("copy", False))
+        return model, cls(sgd, model, schedule=schedule, **options)
     if strategy in ("raw/one-peer", "raw-exchange/one-peer"):
         return model, RawOnePeer(sgd, model)
     if strategy.startswith("raw-exchange/s"):

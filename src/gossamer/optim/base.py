@@ -124,14 +124,14 @@ class DecentralizedOptimizer:
             "elastic": elastic or None,
         }
         self.communicator = _communicator(communicator, options)
-        if self.params_in_buckets and getattr(self.communicator, "in_place", False):
-            raise ValueError(
-                f"communicator={type(self.communicator).__name__}(in_place=True) writes into "
-                f"its input while the round is in flight; {type(self).__name__} keeps the "
-                "parameters in its buckets, which forward and backward read meanwhile: give "
-                "it a communicator without in_place"
-            )
         if self.params_in_buckets:
+            if getattr(self.communicator, "in_place", False):
+                raise ValueError(
+                    f"communicator={type(self.communicator).__name__}(in_place=True) writes "
+                    f"into its input while the round is in flight; {type(self).__name__} "
+                    "keeps the parameters in its buckets, which forward and backward read "
+                    "meanwhile: give it a communicator without in_place"
+                )
             for bucket in self.buckets:
                 bucket.adopt()
         self.communicator.bind(self.buckets)
