@@ -6,12 +6,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from gossamer.compression._common import check_int
 from gossamer.compression.base import Compressor
 
-__all__ = ["Seeded", "for_rank", "generator", "rank_seed"]
+__all__ = ["RandomWords", "Seeded", "for_rank", "generator", "rank_seed", "uniform"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -33,6 +34,37 @@ def generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch
     gen = torch.Generator(device=device)
     gen.manual_seed(_mix(seed, step))
     return gen
+
+
+class RandomWords:
+    """Uniform random words from the stream of ``(seed, step)``, taken block after block.
+
+    The low 24 bits of every word are uniform and independent (on CPU all 32 are). On CPU
+    they come from numpy's PCG64, which draws 5.26 M 32-bit words in 8 ms where torch's
+    CPU generator (mt19937) takes 22 ms for as many numbers (one thread, measured); on
+    other devices from torch's generator there.
+    """
+
+    def __init__(self, seed: int, step: int, device: torch.device | str = "cpu") -> None:
+        self._device = torch.device(device)
+        if self._device.type == "cpu":
+            self._pcg = np.random.PCG64(_mix(seed, step))
+        else:
+            self._generator = generator(seed, step, self._device)
+
+    def take(self, count: int) -> torch.Tensor:
+        """Return the next ``count`` words as a 1-d int32 tensor on the device."""
+        if self._device.type == "cpu":
+            words = self._pcg.random_raw(-(-count // 2)).view(np.int32)[:count]
+            return torch.from_numpy(words)
+        return torch.randint(
+            0, 1 << 24, (count,), generator=self._generator, dtype=torch.int32, device=self._device
+        )
+
+
+def uniform(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Map :class:`RandomWords` to floats of ``dtype`` uniform on ``{0, 2^-24, ..., 1 - 2^-24}``."""
+    return (words & 0xFFFFFF).to(dtype).mul_(2.0**-24)
 
 
 def rank_seed(seed: int, rank: int) -> int:

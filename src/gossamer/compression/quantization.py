@@ -10,19 +10,12 @@ from typing import ClassVar
 import torch
 
 from gossamer.compression._common import Reader, block_slices, check_int, compute_dtype
-from gossamer.compression._random import Seeded, generator
+from gossamer.compression._random import RandomWords, Seeded, uniform
 from gossamer.compression.packing import pack_bits, packed_nbytes, unpack_bits
 
 __all__ = ["QSGD", "Natural", "NaturalDithering"]
 
 _MAX_LEVELS = 127  # codes in [0, 2 * levels] then fit in one byte
-
-
-def _exponent_mask(dtype: torch.dtype) -> tuple[torch.dtype, int, int]:
-    """Return the integer view dtype, exponent-field mask and mantissa width of ``dtype``."""
-    if dtype == torch.float64:
-        return torch.int64, 0x7FF0000000000000, 52
-    return torch.int32, 0x7F800000, 23
 
 
 @dataclass(frozen=True, repr=False)
@@ -54,20 +47,16 @@ class _NormQuantizer(Seeded):
         return buckets * compute_dtype(dtype).itemsize + packed_nbytes(numel, self.bits)
 
     @abc.abstractmethod
-    def _split(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the index of the level below each ``r`` in [0, 1] and the chance to go up.
+    def _codes(self, x: torch.Tensor, norms: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """Return the int32 codes ``levels + sign(x_i) * k_i`` of the rows ``x``.
 
-        The index comes back as a float tensor; ``r`` may be overwritten.
+        ``norms`` holds the rows' norms as a column, ``words`` one random word per element
+        (:class:`~gossamer.compression._random.RandomWords`).
         """
 
     @abc.abstractmethod
-    def _levels(self, dtype: torch.dtype) -> torch.Tensor:
-        """Return the ``levels + 1`` level values in [0, 1], ascending, index 0 being 0."""
-
-    def _table(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Return the value ``sign * level`` of every code ``levels + sign * index``."""
-        levels = self._levels(dtype).to(device)
-        return torch.cat([-levels.flip(0)[:-1], levels])
+    def _values(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Return ``sign * level`` in [-1, 1], in ``dtype``, of each (uint8) code."""
 
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         numel, cdt = flat.numel(), compute_dtype(flat.dtype)
@@ -77,19 +66,15 @@ class _NormQuantizer(Seeded):
             head + packed_nbytes(numel, self.bits), dtype=torch.uint8, device=flat.device
         )
         norms_out, codes_out = buffer[:head].view(cdt), buffer[head:]
-        gen = generator(self.seed, self._next_step(), flat.device)
+        words = RandomWords(self.seed, self._next_step(), flat.device)
         for block in block_slices(numel, flat.device, math.lcm(width, 8)):
             x = _buckets(flat[block].to(cdt), width)
             norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
             first = block.start // width
             norms_out[first : first + x.shape[0]] = norms.view(-1)
-            r = x.abs().div_(torch.where(norms > 0, norms, 1.0)).clamp_(max=1.0)
-            level, chance = self._split(r)
-            level += torch.rand(r.shape, generator=gen, dtype=cdt, device=r.device) < chance
-            level.clamp_(max=self.levels)  # only reachable through rounding of r near 1
-            codes = torch.copysign(level, x).add_(self.levels).view(-1)[: block.stop - block.start]
+            codes = self._codes(x, norms, words.take(x.numel()).view(x.shape))
             start = block.start * self.bits // 8
-            packed = pack_bits(codes.int(), self.bits)
+            packed = pack_bits(codes.view(-1)[: block.stop - block.start], self.bits)
             codes_out[start : start + packed.numel()] = packed
         return buffer
 
@@ -100,12 +85,10 @@ class _NormQuantizer(Seeded):
         norms = reader.take(-(-numel // width), cdt)
         codes = reader.rest()
         out = torch.empty(numel, dtype=dtype, device=buffer.device)
-        table = self._table(cdt, buffer.device)
         for block in block_slices(numel, buffer.device, math.lcm(width, 8)):
             count = block.stop - block.start
             start = block.start * self.bits // 8
-            indices = unpack_bits(codes[start:], self.bits, count).int()
-            values = torch.index_select(table, 0, indices)  # 5x faster than table[indices]
+            values = self._values(unpack_bits(codes[start:], self.bits, count), cdt)
             first = block.start // width
             scaled = _buckets(values, width).mul_(
                 norms[first : first + -(-count // width)].view(-1, 1)
@@ -145,13 +128,16 @@ class QSGD(_NormQuantizer):
 
     spec_name: ClassVar[str] = "qsgd"
 
-    def _split(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scaled = r.mul_(self.levels)
-        level = torch.floor(scaled)
-        return level, scaled.sub_(level)
+    def _codes(self, x: torch.Tensor, norms: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        # Rounding t = s x_i / ||x|| to floor(t + u), u uniform in [0, 1), is QSGD's rounding
+        # of |t| with the sign kept: floor(t + u) = l + 1 exactly when u >= 1 - (t - l).
+        # Shifted by s it is non-negative, so int() truncates as floor() would.
+        scale = torch.where(norms > 0, self.levels / norms, 0.0)
+        t = torch.addcmul(uniform(words, x.dtype), x, scale).add_(self.levels)
+        return t.int().clamp_(0, 2 * self.levels)  # t can pass 2s + 1 only by rounding
 
-    def _levels(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.arange(self.levels + 1, dtype=dtype) / self.levels
+    def _values(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return codes.to(dtype).sub_(self.levels).div_(self.levels)
 
 
 @dataclass(frozen=True, repr=False)
@@ -163,7 +149,8 @@ class NaturalDithering(_NormQuantizer):
     ``(r_i - a) / (b - a)``, else to ``a``, so ``E[Q(x)] = x`` (unbiased). Small entries keep
     relative precision with few levels; the variance factor is
     ``1/8 + min(sqrt(d) / 2^(s-1), d / 2^(2(s-1)))`` for ``d`` elements (p = 2). Payload:
-    the norm and ``ceil(log2(2s + 1))`` bits per element.
+    the norm and ``ceil(log2(2s + 1))`` bits per element. The rounding runs on ``r_i`` in
+    float32, also for float64 tensors (a relative error of at most ``2^-24`` in ``r_i``).
 
     Registry name: ``"natural_dithering:<levels>"``.
 
@@ -174,23 +161,26 @@ class NaturalDithering(_NormQuantizer):
 
     spec_name: ClassVar[str] = "natural_dithering"
 
-    def _split(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        view, mask, shift = _exponent_mask(r.dtype)
-        smallest = 2.0 ** (1 - self.levels)
-        # Clearing the mantissa bits of r gives 2^floor(log2 r), the level below r, unless r
-        # is below the smallest level: then it rounds between 0 and 2^(1-s).
-        low = (r.view(view) & mask).view(r.dtype)
-        low.masked_fill_(r < smallest, 0.0)
-        high = torch.clamp(low * 2.0, min=smallest)
-        chance = r.sub_(low).div_(high.sub_(low))
-        bias = (mask >> shift) // 2  # the exponent bias, 127 or 1023
-        index = ((low.view(view) >> shift) - (bias - self.levels)).clamp_(min=0)
-        return index.to(r.dtype), chance
+    def _codes(self, x: torch.Tensor, norms: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        # r in [2^e, 2^(e+1)) goes up with probability r / 2^e - 1, its float32 mantissa
+        # bits m / 2^23: adding a uniform 23-bit draw to the mantissa carries into the
+        # exponent exactly with that chance (as in Natural). Below the smallest level
+        # 2^(1-s), r + 2^(1-s) lies in [2^(1-s), 2^(2-s)) and carries with chance r / 2^(1-s):
+        # exponent 1 - s then means level 0, and 2 - s the smallest level.
+        r = x.abs().div_(torch.where(norms > 0, norms, 1.0)).to(torch.float32)
+        small = r < 2.0 ** (1 - self.levels)
+        r.add_(small, alpha=2.0 ** (1 - self.levels))
+        words.bitwise_and_(0x7FFFFF).add_(r.view(torch.int32))
+        words >>= 23  # the biased exponent: r >= 0 has no sign bit
+        index = words.add_(self.levels - 128).add_(~small).clamp_(0, self.levels)
+        return torch.where(x < 0, self.levels - index, self.levels + index)
 
-    def _levels(self, dtype: torch.dtype) -> torch.Tensor:
+    def _values(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # The value of code s + sign * k is sign * 2^(k - s), 0 for k = 0: a table of 2s + 1.
         levels = torch.pow(2.0, torch.arange(-self.levels, 1, dtype=torch.float64)).to(dtype)
         levels[0] = 0.0
-        return levels
+        table = torch.cat([-levels.flip(0)[:-1], levels]).to(codes.device)
+        return torch.index_select(table, 0, codes.int())  # 5x faster than table[codes]
 
 
 @dataclass(frozen=True, repr=False)
@@ -224,16 +214,14 @@ class Natural(Seeded):
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         numel = flat.numel()
         buffer = torch.empty(self._nbytes(numel, flat.dtype), dtype=torch.uint8, device=flat.device)
-        gen = generator(self.seed, self._next_step(), flat.device)
+        words = RandomWords(self.seed, self._next_step(), flat.device)
         for block in block_slices(numel, flat.device):
             bits = flat[block].to(torch.float32).view(torch.int32)
-            exponent = (bits >> 23) & 0xFF
-            mantissa = bits & 0x7FFFFF
-            # rand() draws multiples of 2^-24, so u * 2^23 < m has probability m / 2^23 exactly.
-            draws = torch.rand(bits.shape, generator=gen, device=flat.device).mul_(2.0**23)
-            up = draws < mantissa
-            up &= exponent < 0xFF  # infinities and NaNs keep their exponent
-            buffer[block] = exponent.add_(up)
+            # A uniform 23-bit r added to the mantissa m carries into the exponent exactly
+            # when r >= 2^23 - m: with probability m / 2^23, the chance to round up.
+            magnitude = (bits & 0x7FFFFFFF).add_(words.take(bits.numel()) & 0x7FFFFF)
+            # Infinities (mantissa 0) never carry; NaNs may, to 0x100: clamped to infinity.
+            buffer[block] = (magnitude >> 23).clamp_(max=0xFF)
             signs = pack_bits(bits < 0, 1)
             start = numel + block.start // 8
             buffer[start : start + signs.numel()] = signs

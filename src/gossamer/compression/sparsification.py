@@ -36,8 +36,16 @@ def _index_bits(numel: int) -> int:
     return max(1, (numel - 1).bit_length())
 
 
-_SAMPLE = 1 << 16  # magnitudes sampled to estimate the k-th largest one
-_GOLDEN = 2654435761  # prime near 2^32 / golden ratio: spreads the sample over the tensor
+_SAMPLE = 1 << 16  # about this many magnitudes are sampled to estimate the k-th largest one
+
+
+def _sample_stride(numel: int) -> int:
+    """The stride of the sample: odd, so that it shares no factor with power-of-two widths.
+
+    Every stride-th element, not scattered positions: gathering 65 536 scattered floats of
+    a 21 MB tensor missed the cache on each (a third of top-k's time on 5 M elements).
+    """
+    return max(1, numel // _SAMPLE) | 1
 
 
 def _top_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
@@ -51,13 +59,13 @@ def _top_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     numel = flat.numel()
     if numel < 8 * _SAMPLE or 8 * k > numel:
         return torch.topk(flat.abs(), k, sorted=False).indices
-    picks = torch.arange(_SAMPLE, device=flat.device) * _GOLDEN % numel
+    sample = flat[:: _sample_stride(numel)].abs()
     # About `expected` sampled entries lie above the k-th largest magnitude, give or take
     # sqrt(expected): taking the threshold 4 such deviations lower lets fewer than k
     # entries through with negligible probability, at the cost of a few extra candidates.
-    expected = k * _SAMPLE / numel
-    rank = min(_SAMPLE, math.ceil(expected + 4 * math.sqrt(expected)) + 16)
-    threshold = torch.topk(flat[picks].abs(), rank, sorted=False).values.min()
+    expected = k * sample.numel() / numel
+    rank = min(sample.numel(), math.ceil(expected + 4 * math.sqrt(expected)) + 16)
+    threshold = torch.topk(sample, rank, sorted=False).values.min()
     # Block by block: no model-sized temporary for |x| or the mask.
     candidates = torch.cat(
         [
