@@ -221,6 +221,18 @@ def test_topk_large_tensor_falls_back_when_the_sample_misleads():
     assert set(torch.nonzero(y).view(-1).tolist()) == set(expected.tolist())
 
 
+def test_topk_large_tensor_reads_the_entries_past_its_rows():
+    # The candidate search cuts the tensor into 16 rows; the 13 entries left over are
+    # searched on their own and here hold three of the largest magnitudes.
+    numel = 16 * 40_000 + 13
+    x = _randn(numel, 11)
+    x[-3:] = torch.tensor([50.0, -60.0, 70.0])
+    y = TopK(0.01).decompress(TopK(0.01).compress(x))
+    expected = torch.argsort(x.abs(), descending=True)[: math.ceil(0.01 * numel)]
+    assert set(torch.nonzero(y).view(-1).tolist()) == set(expected.tolist())
+    assert y[-3:].tolist() == [50.0, -60.0, 70.0]
+
+
 def test_topk_payload_bit_packs_indices():
     numel = 5_260_000
     k = math.ceil(0.01 * numel)

@@ -10,7 +10,6 @@ import torch
 
 from gossamer.compression._common import (
     Reader,
-    block_slices,
     check_ratio,
     compute_dtype,
     join,
@@ -66,16 +65,36 @@ def _top_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     expected = k * sample.numel() / numel
     rank = min(sample.numel(), math.ceil(expected + 4 * math.sqrt(expected)) + 16)
     threshold = torch.topk(sample, rank, sorted=False).values.min()
-    # Block by block: no model-sized temporary for |x| or the mask.
-    candidates = torch.cat(
-        [
-            torch.nonzero(flat[block].abs() >= threshold).view(-1) + block.start
-            for block in block_slices(numel, flat.device)
-        ]
-    )
+    candidates = _at_least(flat, threshold)
     if candidates.numel() < k:
         return torch.topk(flat.abs(), k, sorted=False).indices
     return candidates[torch.topk(flat[candidates].abs(), k, sorted=False).indices]
+
+
+_ROWS = 16
+
+
+def _at_least(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Return the indices of the entries of ``flat`` with ``|x| >= threshold`` (NaN: never).
+
+    ``torch.nonzero`` over the whole tensor took more than half of top-k's time on CPU. So
+    ``flat`` is cut into ``_ROWS`` consecutive rows and the rows' element-wise maximum
+    magnitude (two vectorised reductions, no temporary of the tensor's size) tells which
+    columns hold a candidate: at a 1 % density, 15 % of them. Only those columns are read
+    again. A NaN hides the other entries of its column: they are not returned.
+    """
+    width = flat.numel() // _ROWS
+    body = flat[: _ROWS * width].view(_ROWS, width)
+    peak = torch.maximum(body.amax(dim=0), body.amin(dim=0).neg_())
+    columns = torch.nonzero(peak >= threshold).view(-1)
+    hits = torch.nonzero(body.index_select(1, columns).abs_() >= threshold)
+    tail = flat[_ROWS * width :]
+    return torch.cat(
+        [
+            hits[:, 0] * width + columns[hits[:, 1]],
+            torch.nonzero(tail.abs() >= threshold).view(-1) + _ROWS * width,
+        ]
+    )
 
 
 def _scatter(numel: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
