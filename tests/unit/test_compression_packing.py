@@ -54,6 +54,20 @@ def test_pack_unpack_round_trip(bits, count):
         assert bytes(packed.tolist()) == _bitstream(values.tolist(), bits)
 
 
+@pytest.mark.parametrize("bits", [1, 4, 6], ids=lambda b: f"{b}bits")
+@pytest.mark.parametrize("count", [5, 1000], ids=lambda n: f"n{n}")
+def test_packed_results_survive_later_calls(bits, count):
+    # The packers keep their temporaries per thread; what they return must not be one.
+    first = torch.randint(0, 2**bits, (count,), generator=torch.Generator().manual_seed(1))
+    packed = pack_bits(first, bits)
+    unpacked = unpack_bits(packed, bits, count)
+    expected = (packed.clone(), unpacked.clone())
+    for seed in (2, 3):
+        other = torch.randint(0, 2**bits, (count,), generator=torch.Generator().manual_seed(seed))
+        unpack_bits(pack_bits(other, bits), bits, count)
+    assert torch.equal(packed, expected[0]) and torch.equal(unpacked, expected[1])
+
+
 def test_pack_bits_accepts_bools_and_ignores_trailing_bytes():
     flags = torch.tensor([True, False, True, True, False, False, False, False, True])
     packed = pack_bits(flags, 1)

@@ -12,7 +12,7 @@ import torch
 from gossamer.compression._common import check_int
 from gossamer.compression.base import Compressor
 
-__all__ = ["RandomWords", "Seeded", "for_rank", "generator", "rank_seed", "uniform"]
+__all__ = ["RandomWords", "Seeded", "for_rank", "generator", "rank_seed"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -60,11 +60,6 @@ class RandomWords:
         return torch.randint(
             0, 1 << 24, (count,), generator=self._generator, dtype=torch.int32, device=self._device
         )
-
-
-def uniform(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Map :class:`RandomWords` to floats of ``dtype`` uniform on ``{0, 2^-24, ..., 1 - 2^-24}``."""
-    return (words & 0xFFFFFF).to(dtype).mul_(2.0**-24)
 
 
 def rank_seed(seed: int, rank: int) -> int:

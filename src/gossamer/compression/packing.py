@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from gossamer.compression._common import scratch
+
 __all__ = [
     "pack_bits",
     "packed_nbytes",
@@ -66,10 +68,12 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     # Each group of 8 values becomes one int64 word holding them in its 8 bytes (this
     # relies on little-endian memory, as torch does), then three halving steps squeeze
     # the fields together: 8 x b bits -> 4 x 2b -> 2 x 4b -> 8b bits at the bottom.
-    padded = torch.zeros(groups * 8, dtype=torch.uint8, device=flat.device)
+    # The temporaries are kept per thread: fresh ones page-faulted on every call.
+    padded = scratch(groups * 8, torch.uint8, flat.device, "pack_bits.padded")
     padded[:count] = flat
+    padded[count:] = 0
     word = padded.view(torch.int64)
-    high = torch.empty_like(word)
+    high = scratch(groups, torch.int64, flat.device, "pack_bits.high")
     for lane, field in ((16, bits), (32, 2 * bits), (64, 4 * bits)):
         low = _lane_mask(lane, lane // 2)
         torch.bitwise_and(word, ~low, out=high)
@@ -77,8 +81,9 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
         word &= low
         word |= high
     unit = _unit(bits)
-    out = word.view(unit).view(groups, 8 // unit.itemsize)[:, : bits // unit.itemsize]
-    return out.contiguous().view(-1).view(torch.uint8)[: packed_nbytes(count, bits)]
+    fields = word.view(unit).view(groups, 8 // unit.itemsize)[:, : bits // unit.itemsize]
+    out = torch.empty(fields.shape, dtype=unit, device=flat.device)  # never a view of scratch
+    return out.copy_(fields).view(-1).view(torch.uint8)[: packed_nbytes(count, bits)]
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
@@ -108,15 +113,16 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     if bits == 8:
         return packed[:count]
     groups = -(-count // 8)
-    source = torch.zeros(groups * bits, dtype=torch.uint8, device=packed.device)
+    source = scratch(groups * bits, torch.uint8, packed.device, "unpack_bits.source")
     source[:need] = packed[:need]
-    word = torch.zeros(groups, dtype=torch.int64, device=packed.device)
+    source[need:] = 0
+    word = torch.zeros(groups, dtype=torch.int64, device=packed.device)  # returned: not kept
     unit = _unit(bits)
     size = unit.itemsize
     word.view(unit).view(groups, 8 // size)[:, : bits // size] = source.view(unit).view(
         groups, bits // size
     )
-    high = torch.empty_like(word)
+    high = scratch(groups, torch.int64, packed.device, "unpack_bits.high")
     for lane, field in ((64, 4 * bits), (32, 2 * bits), (16, bits)):
         low = _lane_mask(lane, field)
         torch.bitwise_and(word, low << field, out=high)

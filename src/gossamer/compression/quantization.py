@@ -9,8 +9,8 @@ from typing import ClassVar
 
 import torch
 
-from gossamer.compression._common import Reader, block_slices, check_int, compute_dtype
-from gossamer.compression._random import RandomWords, Seeded, uniform
+from gossamer.compression._common import Reader, block_slices, check_int, compute_dtype, scratch
+from gossamer.compression._random import RandomWords, Seeded
 from gossamer.compression.packing import pack_bits, packed_nbytes, unpack_bits
 
 __all__ = ["QSGD", "Natural", "NaturalDithering"]
@@ -55,8 +55,8 @@ class _NormQuantizer(Seeded):
         """
 
     @abc.abstractmethod
-    def _values(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Return ``sign * level`` in [-1, 1], in ``dtype``, of each (uint8) code."""
+    def _values(self, codes: torch.Tensor, out: torch.Tensor) -> None:
+        """Write ``sign * level`` in [-1, 1] of each (uint8) code into ``out``."""
 
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         numel, cdt = flat.numel(), compute_dtype(flat.dtype)
@@ -88,13 +88,22 @@ class _NormQuantizer(Seeded):
         for block in block_slices(numel, buffer.device, math.lcm(width, 8)):
             count = block.stop - block.start
             start = block.start * self.bits // 8
-            values = self._values(unpack_bits(codes[start:], self.bits, count), cdt)
+            # Decoded straight into `out` where its dtype and the buckets allow.
+            direct = dtype == cdt and count % width == 0
+            values = out[block] if direct else _like(out[block], cdt, "values")
+            self._values(unpack_bits(codes[start:], self.bits, count), values)
             first = block.start // width
             scaled = _buckets(values, width).mul_(
                 norms[first : first + -(-count // width)].view(-1, 1)
             )
-            out[block] = scaled.view(-1)[:count]
+            if not direct:
+                out[block] = scaled.view(-1)[:count]
         return out
+
+
+def _like(x: torch.Tensor, dtype: torch.dtype, slot: str) -> torch.Tensor:
+    """A temporary shaped like ``x``, kept for this thread (:func:`scratch`)."""
+    return scratch(x.numel(), dtype, x.device, f"quantization.{slot}").view(x.shape)
 
 
 def _buckets(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -132,12 +141,14 @@ class QSGD(_NormQuantizer):
         # Rounding t = s x_i / ||x|| to floor(t + u), u uniform in [0, 1), is QSGD's rounding
         # of |t| with the sign kept: floor(t + u) = l + 1 exactly when u >= 1 - (t - l).
         # Shifted by s it is non-negative, so int() truncates as floor() would.
-        scale = torch.where(norms > 0, self.levels / norms, 0.0)
-        t = torch.addcmul(uniform(words, x.dtype), x, scale).add_(self.levels)
-        return t.int().clamp_(0, 2 * self.levels)  # t can pass 2s + 1 only by rounding
+        # Temporaries are kept per thread (see scratch): fresh ones page-faulted each call.
+        u = _like(x, x.dtype, "u")
+        u.copy_(words.bitwise_and_(0xFFFFFF)).mul_(2.0**-24)  # uniform on multiples of 2^-24
+        u.addcmul_(x, torch.where(norms > 0, self.levels / norms, 0.0)).add_(self.levels)
+        return words.copy_(u).clamp_(0, 2 * self.levels)  # past 2s only by rounding
 
-    def _values(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return codes.to(dtype).sub_(self.levels).div_(self.levels)
+    def _values(self, codes: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(codes).sub_(self.levels).div_(self.levels)
 
 
 @dataclass(frozen=True, repr=False)
@@ -167,20 +178,23 @@ class NaturalDithering(_NormQuantizer):
         # exponent exactly with that chance (as in Natural). Below the smallest level
         # 2^(1-s), r + 2^(1-s) lies in [2^(1-s), 2^(2-s)) and carries with chance r / 2^(1-s):
         # exponent 1 - s then means level 0, and 2 - s the smallest level.
-        r = x.abs().div_(torch.where(norms > 0, norms, 1.0)).to(torch.float32)
-        small = r < 2.0 ** (1 - self.levels)
+        r = torch.abs(x, out=_like(x, x.dtype, "r")).div_(torch.where(norms > 0, norms, 1.0))
+        r = r.to(torch.float32)
+        small = torch.lt(r, 2.0 ** (1 - self.levels), out=_like(x, torch.bool, "small"))
         r.add_(small, alpha=2.0 ** (1 - self.levels))
         words.bitwise_and_(0x7FFFFF).add_(r.view(torch.int32))
         words >>= 23  # the biased exponent: r >= 0 has no sign bit
-        index = words.add_(self.levels - 128).add_(~small).clamp_(0, self.levels)
-        return torch.where(x < 0, self.levels - index, self.levels + index)
+        index = words.add_(self.levels - 128).add_(small.logical_not_()).clamp_(0, self.levels)
+        negative = torch.mul(index, torch.lt(x, 0, out=small), out=_like(x, torch.int32, "neg"))
+        return index.sub_(negative, alpha=2).add_(self.levels)  # s + sign(x) index
 
-    def _values(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _values(self, codes: torch.Tensor, out: torch.Tensor) -> None:
         # The value of code s + sign * k is sign * 2^(k - s), 0 for k = 0: a table of 2s + 1.
-        levels = torch.pow(2.0, torch.arange(-self.levels, 1, dtype=torch.float64)).to(dtype)
+        levels = torch.pow(2.0, torch.arange(-self.levels, 1, dtype=torch.float64))
         levels[0] = 0.0
-        table = torch.cat([-levels.flip(0)[:-1], levels]).to(codes.device)
-        return torch.index_select(table, 0, codes.int())  # 5x faster than table[codes]
+        table = torch.cat([-levels.flip(0)[:-1], levels]).to(out.device, out.dtype)
+        indices = _like(codes, torch.int32, "indices").copy_(codes)
+        torch.index_select(table, 0, indices, out=out)  # 5x faster than table[codes]
 
 
 @dataclass(frozen=True, repr=False)
@@ -219,10 +233,12 @@ class Natural(Seeded):
             bits = flat[block].to(torch.float32).view(torch.int32)
             # A uniform 23-bit r added to the mantissa m carries into the exponent exactly
             # when r >= 2^23 - m: with probability m / 2^23, the chance to round up.
-            magnitude = (bits & 0x7FFFFFFF).add_(words.take(bits.numel()) & 0x7FFFFF)
+            magnitude = torch.bitwise_and(bits, 0x7FFFFFFF, out=_like(bits, torch.int32, "m"))
+            magnitude.add_(words.take(bits.numel()).bitwise_and_(0x7FFFFF))
+            magnitude >>= 23
             # Infinities (mantissa 0) never carry; NaNs may, to 0x100: clamped to infinity.
-            buffer[block] = (magnitude >> 23).clamp_(max=0xFF)
-            signs = pack_bits(bits < 0, 1)
+            buffer[block] = magnitude.clamp_(max=0xFF)
+            signs = pack_bits(torch.lt(bits, 0, out=_like(bits, torch.bool, "sign")), 1)
             start = numel + block.start // 8
             buffer[start : start + signs.numel()] = signs
         return buffer
