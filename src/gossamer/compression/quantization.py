@@ -142,9 +142,10 @@ class QSGD(_NormQuantizer):
         # of |t| with the sign kept: floor(t + u) = l + 1 exactly when u >= 1 - (t - l).
         # Shifted by s it is non-negative, so int() truncates as floor() would.
         # Temporaries are kept per thread (see scratch): fresh ones page-faulted each call.
-        u = _like(x, x.dtype, "u")
-        u.copy_(words.bitwise_and_(0xFFFFFF)).mul_(2.0**-24)  # uniform on multiples of 2^-24
-        u.addcmul_(x, torch.where(norms > 0, self.levels / norms, 0.0)).add_(self.levels)
+        shift = torch.tensor(float(self.levels), dtype=x.dtype, device=x.device)
+        u = _like(x, x.dtype, "u")  # s + u, u uniform on the multiples of 2^-24 in [0, 1)
+        torch.add(shift, words.bitwise_and_(0xFFFFFF), alpha=2.0**-24, out=u)
+        u.addcmul_(x, torch.where(norms > 0, self.levels / norms, 0.0))
         return words.copy_(u).clamp_(0, 2 * self.levels)  # past 2s only by rounding
 
     def _values(self, codes: torch.Tensor, out: torch.Tensor) -> None:
@@ -238,7 +239,8 @@ class Natural(Seeded):
             magnitude >>= 23
             # Infinities (mantissa 0) never carry; NaNs may, to 0x100: clamped to infinity.
             buffer[block] = magnitude.clamp_(max=0xFF)
-            signs = pack_bits(torch.lt(bits, 0, out=_like(bits, torch.bool, "sign")), 1)
+            negative = torch.bitwise_right_shift(bits, 31, out=_like(bits, torch.int32, "sign"))
+            signs = pack_bits(negative.neg_(), 1)  # bits >> 31 is -1 where the sign bit is set
             start = numel + block.start // 8
             buffer[start : start + signs.numel()] = signs
         return buffer
@@ -246,8 +248,15 @@ class Natural(Seeded):
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(numel, dtype=dtype, device=buffer.device)
         for block in block_slices(numel, buffer.device):
-            bits = buffer[block].int() << 23
+            # Built in place in `out` for float32, else in a temporary kept per thread.
+            direct = dtype == torch.float32
+            bits = out[block] if direct else _like(out[block], torch.float32, "bits")
+            bits = bits.view(torch.int32).copy_(buffer[block])
+            bits <<= 23
             negative = unpack_bits(buffer[numel + block.start // 8 :], 1, block.stop - block.start)
-            bits |= negative.int() * -(2**31)  # the sign bit
-            out[block] = bits.view(torch.float32)
+            sign = _like(bits, torch.int32, "sign").copy_(negative)
+            sign <<= 31
+            bits |= sign
+            if not direct:
+                out[block] = bits.view(torch.float32)
         return out
