@@ -68,8 +68,6 @@ def _exp2_offsets(n: int) -> list[int]:
 
 # Compressed strategies: (the uncompressed pattern they follow, bytes sent per model byte).
 COMPRESSED = {
-    "choco-uint8/one-peer": ("atc/one-peer", 0.25),
-    "choco-uint8-copy/one-peer": ("atc/one-peer", 0.25),
     "bytegrad": ("ddp", 0.25),
     "bagua-bytegrad": ("ddp", 0.25),
     "bagua-qadam": ("ddp", 0.25),  # the 8-bit gradient average after one warm-up step
@@ -81,6 +79,12 @@ COMPRESSED = {
 }
 
 
+def choco_spec(strategy: str) -> tuple[str, bool]:
+    """``choco-<compressor spec>[-copy]/one-peer``: the spec, and whether to copy (``-copy``)."""
+    name = strategy.removeprefix("choco-").removesuffix("/one-peer")
+    return name.removesuffix("-copy"), name.endswith("-copy")
+
+
 def host_egress_bytes(strategy: str, model_bytes: float, ranks: int, per_host: int) -> float:
     """Bytes the busiest host sends per step under ``strategy`` (ranks placed contiguously)."""
     if strategy.startswith("probe/"):  # probe/<kind>:...:r=<ratio> (worker.ProbeExchange)
@@ -88,6 +92,12 @@ def host_egress_bytes(strategy: str, model_bytes: float, ranks: int, per_host: i
         ratio = float(dict(o.split("=") for o in opts).get("r", 1))
         pattern = "ring-neighbours" if kind == "ring" else "raw-exchange/shift"
         return host_egress_bytes(pattern, ratio * model_bytes, ranks, per_host)
+    if strategy.startswith("choco-") and strategy.endswith("/one-peer"):  # any compressor
+        from gossamer.compression import get_compressor  # torch only where it is needed
+
+        compressor = get_compressor(choco_spec(strategy)[0])
+        ratio = compressor.payload_nbytes(10**6) / (4 * 10**6)  # the payload of float32
+        return host_egress_bytes("atc/one-peer", ratio * model_bytes, ranks, per_host)
     if strategy in COMPRESSED:
         pattern, ratio = COMPRESSED[strategy]
         if pattern == "allgather":

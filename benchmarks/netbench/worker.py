@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gossamer
+from benchmarks.netbench.report import choco_spec
 from benchmarks.netbench.runner import job_arguments
 from gossamer import communicators, optim
 from gossamer import topology as topo
@@ -428,11 +429,11 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         return model, GossamerExchange(sgd, model)
     if strategy == "raw-overlap/one-peer":
         return model, RawOverlapOnePeer(sgd, model)
-    if strategy in ("choco-uint8/one-peer", "choco-uint8-copy/one-peer"):
+    if strategy.startswith("choco-") and strategy.endswith("/one-peer"):
+        spec, copy = choco_spec(strategy)
         schedule = topo.one_peer_exponential(topo.exponential_two(size), rank)
-        choco = communicators.ChocoGossip("uint8", schedule=schedule)
-        awc = _copying(optim.AdaptWithCombine, "-copy" in strategy)
-        return model, awc(sgd, model, communicator=choco)
+        choco = communicators.ChocoGossip(spec, schedule=schedule)
+        return model, _copying(optim.AdaptWithCombine, copy)(sgd, model, communicator=choco)
     if strategy == "dcd-uint8/ring":
         # Bagua's low-precision ring as gossamer's own DCD under ATC: each bucket's round
         # starts from the backward pass instead of after the step.

@@ -98,6 +98,15 @@ def test_cost_model_matches_design_formulas():
         report.host_egress_bytes("nope", M, 4, 1)
 
 
+def test_choco_rows_take_any_compressor_and_its_payload_size():
+    assert report.choco_spec("choco-qsgd:16-copy/one-peer") == ("qsgd:16", True)
+    assert report.choco_spec("choco-uint8/one-peer") == ("uint8", False)
+    # 8-bit codes: a quarter of the one-peer bytes; natural compression 9 bits of 32.
+    assert report.host_egress_bytes("choco-uint8/one-peer", M, 4, 1) == pytest.approx(M / 4, 1e-4)
+    approx = pytest.approx(M * 9 / 32, 1e-4)
+    assert report.host_egress_bytes("choco-natural/one-peer", M, 4, 1) == approx
+
+
 def test_cost_model_two_ranks_per_host():
     # Ranks 0,1 | 2,3: exp-2 offsets 1 and 2; rank 0's +1 stays home, the other three leave.
     assert report.host_egress_bytes("atc/exp2", M, 4, 2) == pytest.approx(3 * M)
