@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -190,12 +191,20 @@ class NaturalDithering(_NormQuantizer):
         return index.sub_(negative, alpha=2).add_(self.levels)  # s + sign(x) index
 
     def _values(self, codes: torch.Tensor, out: torch.Tensor) -> None:
-        # The value of code s + sign * k is sign * 2^(k - s), 0 for k = 0: a table of 2s + 1.
-        levels = torch.pow(2.0, torch.arange(-self.levels, 1, dtype=torch.float64))
-        levels[0] = 0.0
-        table = torch.cat([-levels.flip(0)[:-1], levels]).to(out.device, out.dtype)
+        table = _dithering_table(self.levels, out.dtype, out.device)
         indices = _like(codes, torch.int32, "indices").copy_(codes)
         torch.index_select(table, 0, indices, out=out)  # 5x faster than table[codes]
+
+
+@functools.lru_cache(maxsize=64)
+def _dithering_table(levels: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The value ``sign * 2^(k - s)`` (0 for ``k = 0``) of every code ``s + sign * k``.
+
+    Built once per configuration, not once per block decoded; callers only read it.
+    """
+    powers = torch.pow(2.0, torch.arange(-levels, 1, dtype=torch.float64))
+    powers[0] = 0.0
+    return torch.cat([-powers.flip(0)[:-1], powers]).to(device, dtype)
 
 
 @dataclass(frozen=True, repr=False)
