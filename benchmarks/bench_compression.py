@@ -1,6 +1,7 @@
 """Payload size, speed and error of every compressor on one CPU thread.
 
     python benchmarks/bench_compression.py [--numel 5260000] [--preset smoke] [--out results]
+        [--device cuda]
 
 For one float32 tensor of ``--numel`` standard normal entries (default: the 5.26 M
 parameters of the project's benchmark model) and each compressor, the table shows the
@@ -11,7 +12,8 @@ on such a link), and the time to add a received payload into a tensor, by ``deco
 then ``add_`` and by the fused ``decompress_add_``. Times are medians over repetitions
 (``--stat min``: the fastest), with torch on one thread. ``--clock cpu`` measures the
 calling thread's CPU time instead of wall time, which on a machine shared with other jobs
-is closer to what an idle machine shows.
+is closer to what an idle machine shows. ``--device cuda`` runs the compressors on the GPU
+(wall clock, synchronised before each reading).
 """
 
 from __future__ import annotations
@@ -101,6 +103,20 @@ def table(rows: list[dict], raw_bytes: int) -> str:
     return "\n".join(lines)
 
 
+def _synchronised(clock, device: torch.device):
+    """``clock`` read once the device has finished the work queued so far."""
+
+    def read() -> float:
+        torch.cuda.synchronize(device)
+        return clock()
+
+    return read
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
@@ -109,13 +125,19 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--stat", choices=["median", "min"], default="median")
     parser.add_argument("--specs", nargs="+", default=SPECS, help="compressor specs")
+    parser.add_argument("--device", default="cpu", help="where the tensor lives (cpu, cuda)")
     parser.add_argument("--out", default="results", help="folder for bench_compression.{md,json}")
     args = parser.parse_args()
     numel, reps = PRESETS[args.preset]
     numel, reps = args.numel or numel, args.reps or reps
     torch.set_num_threads(1)
+    device = torch.device(args.device)
+    if device.type != "cpu" and args.clock == "cpu":
+        parser.error(f"--clock cpu times the host thread only; got --device {args.device}")
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    if device.type == "cuda":
+        clock = _synchronised(time.perf_counter, device)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
     stat = statistics.median if args.stat == "median" else min
     # Untimed: malloc's first model-sized allocations page-fault until its heap has grown,
     # which would otherwise slow down whichever compressor runs first.
@@ -123,14 +145,15 @@ def main() -> None:
     rows = [measure(spec, x, reps, clock, stat) for spec in args.specs]
     text = table(rows, numel * 4)
     header = (
-        f"{numel:,} float32 elements ({numel * 4 / 1e6:.1f} MB), torch {torch.__version__}, "
-        f"1 thread, {args.stat} of {reps}, {args.clock} clock"
+        f"{numel:,} float32 elements ({numel * 4 / 1e6:.1f} MB) on {_device_name(device)}, "
+        f"torch {torch.__version__}, 1 thread, {args.stat} of {reps}, {args.clock} clock"
     )
     print(header + "\n\n" + text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_compression.md").write_text(header + "\n\n" + text + "\n")
     meta = {"numel": numel, "reps": reps, "clock": args.clock, "stat": args.stat}
+    meta["device"] = _device_name(device)
     meta["torch"] = torch.__version__
     (out / "bench_compression.json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
 

@@ -127,6 +127,7 @@ def _window(device: torch.device) -> torch.Tensor:
         win.accumulate(self_weight=0.5)
         gossamer.barrier()
         win.update()
+        gossamer.barrier()  # else a get may read the peer's tensor while its update writes it
         win.get()
         out = win.update(self_weight=0.5, src_weights={1 - me: 0.5}, clone=True)
     assert x.device == device and out.device == device

@@ -51,11 +51,12 @@ COMPRESSORS = {
 }
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SHAPES = [(), (0,), (1,), (7,), (9,), (3, 5), (2, 0, 3), (1001,), (64, 33)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _tensor(shape, dtype, seed=0):
+def _tensor(shape, dtype, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
 
 def _ids(values):
@@ -65,9 +66,11 @@ def _ids(values):
 @pytest.mark.parametrize("compressor", COMPRESSORS.values(), ids=COMPRESSORS.keys())
 @pytest.mark.parametrize("dtype", FLOATS, ids=_ids(FLOATS))
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids(SHAPES))
-def test_round_trip_keeps_shape_dtype_and_sizes(compressor, dtype, shape):
-    x = _tensor(shape, dtype)
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_keeps_shape_dtype_and_sizes(compressor, dtype, shape, device):
+    x = _tensor(shape, dtype, device=device)
     payload = compressor.compress(x)
+    assert payload.buffer.device == x.device
     bound = compressor.payload_nbytes(x.numel(), dtype)
     assert payload.buffer.dtype == torch.uint8 and payload.buffer.dim() == 1
     assert payload.buffer.is_contiguous()
@@ -96,17 +99,37 @@ def test_payload_nbytes_is_exact_or_a_tight_bound(compressor, numel):
 
 
 @pytest.mark.parametrize("compressor", COMPRESSORS.values(), ids=COMPRESSORS.keys())
-def test_payload_rebuilt_from_bytes_decodes_the_same(compressor):
-    x = _tensor((3, 333), torch.float32, seed=1)
+@pytest.mark.parametrize("device", DEVICES)
+def test_payload_rebuilt_from_bytes_decodes_the_same(compressor, device):
+    x = _tensor((3, 333), torch.float32, seed=1, device=device)
     payload = compressor.compress(x)
     expected = compressor.decompress(payload)
     received = Payload(payload.buffer.clone(), tuple(x.shape), torch.float32)
     torch.testing.assert_close(compressor.decompress(received), expected, rtol=0, atol=0)
     # A payload cut out of a larger receive buffer at an odd offset.
-    big = torch.zeros(payload.nbytes + 3, dtype=torch.uint8)
+    big = torch.zeros(payload.nbytes + 3, dtype=torch.uint8, device=device)
     big[1 : 1 + payload.nbytes] = payload.buffer
     shifted = Payload(big[1 : 1 + payload.nbytes], x.shape, torch.float32)
     torch.testing.assert_close(compressor.decompress(shifted), expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compressor", COMPRESSORS.values(), ids=COMPRESSORS.keys())
+@pytest.mark.parametrize("dtype", FLOATS, ids=_ids(FLOATS))
+@pytest.mark.parametrize("numel", [4097, 1_100_007], ids=["small", "several-cpu-blocks"])
+def test_a_cuda_payload_decodes_on_the_host_as_the_host_would_encode(compressor, dtype, numel):
+    # Staged gloo sends a CUDA payload's bytes through host memory. The two devices may
+    # round the arithmetic differently (an ulp, or a sum in another order), hence
+    # assert_close; 16-bit inputs have ties among the largest magnitudes, which the two
+    # devices' top-k may break differently, hence no host round trip for them.
+    x = _tensor((numel,), dtype, seed=2, device="cuda")
+    twin = copy.deepcopy(compressor)  # at the same step of its random stream
+    payload = compressor.compress(x)
+    on_host = compressor.decompress(Payload(payload.buffer.cpu(), tuple(x.shape), dtype))
+    torch.testing.assert_close(on_host, compressor.decompress(payload).cpu())
+    stochastic = isinstance(compressor, QSGD | Natural | NaturalDithering)
+    if not stochastic and dtype in (torch.float32, torch.float64):
+        torch.testing.assert_close(on_host, twin.decompress(twin.compress(x.cpu())))
 
 
 def test_threads_encoding_at_once_get_their_own_temporaries():

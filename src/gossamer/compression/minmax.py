@@ -165,6 +165,11 @@ def _blocks(rows: int, cols: int, device: torch.device) -> Iterator[tuple[slice,
             yield slice(r, r + step), slice(0, cols)
 
 
+def _block_numel(x: torch.Tensor) -> int:
+    """The most elements one of :func:`_blocks`'s blocks of ``x`` holds."""
+    return min(x.numel(), CPU_BLOCK) if x.device.type == "cpu" else x.numel()
+
+
 def _quantize(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -177,7 +182,7 @@ def _quantize(
 
     ``add_to`` (of dtype ``cdt``), if given, gets the decoded values added.
     """
-    size = min(x.numel(), CPU_BLOCK)
+    size = _block_numel(x)
     work = scratch(size, cdt, x.device, "quantize")
     whole = scratch(size, torch.int32, x.device, "quantize")
     for rs, cs in _blocks(*x.shape, x.device):
@@ -204,7 +209,7 @@ def _dequantize(
 ) -> None:
     """Write ``(codes + lower) / scale`` into ``out`` (``add``: add it), computed in ``cdt``."""
     direct = out.dtype == cdt and not add
-    work = None if direct else scratch(min(out.numel(), CPU_BLOCK), cdt, out.device, "dequantize")
+    work = None if direct else scratch(_block_numel(out), cdt, out.device, "dequantize")
     for rs, cs in _blocks(*out.shape, out.device):
         ob = out[rs, cs]
         tb = ob if work is None else work[: ob.numel()].view(ob.shape)
