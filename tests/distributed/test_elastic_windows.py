@@ -143,8 +143,9 @@ def _dies_mid_put():
         time.sleep(0.05)
     got = window.buffers()[peer][:3].tolist()
     live = gossamer.live_ranks()
+    start = time.monotonic()
     window.free()
-    return {"got": got, "live": live}
+    return {"got": got, "live": live, "free_s": time.monotonic() - start}
 
 
 def test_an_elastic_window_service_survives_a_sender_that_dies_mid_transfer():
@@ -153,3 +154,6 @@ def test_an_elastic_window_service_survives_a_sender_that_dies_mid_transfer():
         peer = 1 - rank
         assert results[rank]["got"] == [20.0 + peer] * 3, results[rank]
         assert results[rank]["live"] == [0, 1]
+        # free() used to wait out the group's timeout (60 s) on the rank the dead sender was
+        # writing to: stop() sent a second STOP to a peer that had already stopped serving.
+        assert results[rank]["free_s"] < 20, results[rank]

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
@@ -513,8 +513,12 @@ class Service:
         self._post(src, _header(Kind.ACK, h.aux, h.seq))
 
     # ------------------------------------------------------------------ lifecycle
-    def abort(self) -> None:
+    def abort(self, told: Collection[int] = ()) -> None:
         """Stop without the peers (a rank was lost, so the collective stop cannot run).
+
+        ``told``: peers :meth:`stop` has already sent STOP. They get no second one: a peer
+        that has stopped its service receives nothing more, and a send to it would wait for
+        the group's timeout.
 
         A progress thread left inside gloo's wait when the interpreter exits would abort
         the process, and aborting the group does not end a receive from one peer: so this
@@ -527,7 +531,7 @@ class Service:
         lost = live.lost if live is not None else set()
         head = _header(Kind.STOP, 0, 0)
         for peer in self._threads:
-            if peer not in lost:
+            if peer not in lost and peer not in told:
                 try:
                     self.group.send([head], peer, _HEADER_TAG).wait()
                 except RuntimeError:  # gone as well
@@ -563,7 +567,7 @@ class Service:
         if left:
             if any(p in peers for p in left):
                 logger.warning("window service threads of rank %d did not stop", self.rank)
-            self.abort()
+            self.abort(told=peers)
             return
         self._end_reaper()
 
