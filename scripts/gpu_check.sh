@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need CUDA, for a machine with a GPU and torch already installed: the
-# tests marked gpu (CUDA tensors over gloo, NCCL, every compressor on CUDA), then the
+# tests marked gpu (CUDA tensors over gloo, every compressor on CUDA, NCCL's refusal of
+# two ranks on one GPU; no NCCL operation itself), then the
 # compressors' speed on the GPU. Results go to $OUT (default results/gpu).
 # Usage: [PYTHON=python3] [OUT=folder] bash scripts/gpu_check.sh
 set -uo pipefail
