@@ -405,7 +405,7 @@ def test_docstring_examples_run(module):
 
 
 def test_compression_is_a_leaf_layer():
-    """It imports torch, numpy, the standard library and gossamer.errors, nothing else."""
+    """It imports torch, numpy, numba, the standard library and gossamer.errors, nothing else."""
     package = Path(importlib.import_module("gossamer.compression").__file__).parent
     for path in sorted(package.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -420,4 +420,7 @@ def test_compression_is_a_leaf_layer():
                 if top == "gossamer":
                     assert name == "gossamer.errors" or name.startswith("gossamer.compression")
                 else:
-                    assert top in sys.stdlib_module_names | {"torch", "numpy"}, (path.name, name)
+                    assert top in sys.stdlib_module_names | {"torch", "numpy", "numba"}, (
+                        path.name,
+                        name,
+                    )

@@ -113,15 +113,16 @@ def _trials(compressor, x):
     return compressor.decompress(compressor.compress(repeated)).view(TRIALS, -1)
 
 
-def _assert_rounds_between(samples, x, low, high):
+def _assert_rounds_between(samples, x, low, high, rtol=1e-12):
     """Each draw is sign(x) * low or sign(x) * high, high with chance (|x| - low) / (high - low).
 
     That chance is exactly what makes the mean x (unbiased); it is checked per element with
     a binomial bound of five standard deviations, which stays valid for rare events.
+    ``rtol`` is how closely a draw must match a level (float32 draws: about 1e-6).
     """
     magnitude = samples.abs()
-    is_low = torch.isclose(magnitude, low.expand_as(magnitude), rtol=1e-12, atol=0)
-    is_high = torch.isclose(magnitude, high.expand_as(magnitude), rtol=1e-12, atol=0)
+    is_low = torch.isclose(magnitude, low.expand_as(magnitude), rtol=rtol, atol=0)
+    is_high = torch.isclose(magnitude, high.expand_as(magnitude), rtol=rtol, atol=0)
     assert (is_low | is_high).all()
     assert (samples * torch.sign(x) >= 0).all()
     # Clamped: where |x| is a power of two, the chance is 0 or 1, and on CUDA `2 ** floor(
@@ -137,30 +138,36 @@ def _bucket_norms(x, bucket):
     return x.view(-1, bucket).norm(dim=1).repeat_interleave(bucket)
 
 
+# On CPU, float32 takes the fused kernels and float64 the torch formulation.
+PRECISIONS = [(torch.float64, 1e-12), (torch.float32, 2e-6)]
+
+
+@pytest.mark.parametrize("dtype, rtol", PRECISIONS, ids=["float64", "float32"])
 @pytest.mark.parametrize("levels", [1, 4, 16], ids=lambda s: f"s{s}")
 @pytest.mark.parametrize("device", DEVICES)
-def test_qsgd_rounds_between_uniform_levels_without_bias(levels, device):
+def test_qsgd_rounds_between_uniform_levels_without_bias(levels, device, dtype, rtol):
     x = _randn(100, 5, torch.float64) * torch.logspace(-3, 1, 100, dtype=torch.float64)
-    x = x.to(device)
-    samples = _trials(QSGD(levels, seed=2, bucket=50), x)
+    x = x.to(device, dtype).double()
+    samples = _trials(QSGD(levels, seed=2, bucket=50), x.to(dtype)).double()
     norm = _bucket_norms(x, 50)
     low = torch.floor(x.abs() / norm * levels) / levels * norm
-    _assert_rounds_between(samples, x, low, low + norm / levels)
+    _assert_rounds_between(samples, x, low, low + norm / levels, rtol)
     assert not torch.equal(samples[0], samples[1])  # it is random
 
 
+@pytest.mark.parametrize("dtype, rtol", PRECISIONS, ids=["float64", "float32"])
 @pytest.mark.parametrize("levels", [2, 6], ids=lambda s: f"s{s}")
 @pytest.mark.parametrize("device", DEVICES)
-def test_natural_dithering_rounds_between_powers_of_two_without_bias(levels, device):
+def test_natural_dithering_rounds_between_powers_of_two_without_bias(levels, device, dtype, rtol):
     x = _randn(100, 6, torch.float64) * torch.logspace(-3, 1, 100, dtype=torch.float64)
-    x = x.to(device)
-    samples = _trials(NaturalDithering(levels, seed=2, bucket=50), x)
+    x = x.to(device, dtype).double()
+    samples = _trials(NaturalDithering(levels, seed=2, bucket=50), x.to(dtype)).double()
     norm = _bucket_norms(x, 50)
     smallest = 2.0 ** (1 - levels)
     r = x.abs() / norm
     low = torch.where(r < smallest, 0.0, 2 ** torch.floor(torch.log2(r)))
     high = torch.where(r < smallest, smallest, 2 * low)
-    _assert_rounds_between(samples, x, low * norm, high * norm)
+    _assert_rounds_between(samples, x, low * norm, high * norm, rtol)
 
 
 @pytest.mark.parametrize("device", DEVICES)

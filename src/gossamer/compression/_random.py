@@ -12,7 +12,15 @@ import torch
 from gossamer.compression._common import check_int
 from gossamer.compression.base import Compressor
 
-__all__ = ["RandomWords", "Seeded", "for_rank", "generator", "rank_seed"]
+__all__ = [
+    "RandomWords",
+    "Seeded",
+    "for_rank",
+    "generator",
+    "hashed_words",
+    "rank_seed",
+    "stream_keys",
+]
 
 _MASK64 = (1 << 64) - 1
 
@@ -36,27 +44,61 @@ def generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch
     return gen
 
 
+def stream_keys(seed: int, step: int) -> tuple[np.uint32, np.uint32]:
+    """The two 32-bit keys of the word stream of ``(seed, step)`` (:func:`hashed_words`)."""
+    key = _mix(seed, step)
+    return np.uint32(key & 0xFFFFFFFF), np.uint32(key >> 32)
+
+
+def _lowbias32(v: np.ndarray) -> None:
+    """Wellons' "lowbias32" integer hash, in place on a uint32 array (arithmetic mod 2^32)."""
+    v ^= v >> np.uint32(16)
+    v *= np.uint32(0x7FEB352D)
+    v ^= v >> np.uint32(15)
+    v *= np.uint32(0x846CA68B)
+    v ^= v >> np.uint32(16)
+
+
+def hashed_words(keys: tuple[np.uint32, np.uint32], start: int, count: int) -> np.ndarray:
+    """Words ``start, ..., start + count - 1`` of the counter-based stream keyed by ``keys``.
+
+    Word ``i`` is ``h(h(i + k1) + k2)``, ``h`` an invertible 32-bit integer hash with good
+    avalanche, and ``i`` taken mod 2^32. A counter-based stream can be computed anywhere
+    from ``i`` alone, so the fused CPU kernels (:mod:`gossamer.compression._kernels`)
+    compute each draw where they use it instead of reading it from a generator's buffer.
+    The outer hash keeps two keys' streams from being shifts of one sequence. This numpy
+    version is their reference and serves the compressors' torch formulation on CPU.
+    """
+    v = np.arange(start, start + count, dtype=np.int64).astype(np.uint32)
+    v += keys[0]
+    _lowbias32(v)
+    v += keys[1]
+    _lowbias32(v)
+    return v
+
+
 class RandomWords:
     """Uniform random words from the stream of ``(seed, step)``, taken block after block.
 
     The low 24 bits of every word are uniform and independent (on CPU all 32 are). On CPU
-    they come from numpy's PCG64, which draws 5.26 M 32-bit words in 8 ms where torch's
-    CPU generator (mt19937) takes 22 ms for as many numbers (one thread, measured); on
-    other devices from torch's generator there.
+    they are :func:`hashed_words`, the numbers the fused kernels draw; on other devices
+    they come from torch's generator there.
     """
 
     def __init__(self, seed: int, step: int, device: torch.device | str = "cpu") -> None:
         self._device = torch.device(device)
         if self._device.type == "cpu":
-            self._pcg = np.random.PCG64(_mix(seed, step))
+            self._keys = stream_keys(seed, step)
+            self._taken = 0
         else:
             self._generator = generator(seed, step, self._device)
 
     def take(self, count: int) -> torch.Tensor:
         """Return the next ``count`` words as a 1-d int32 tensor on the device."""
         if self._device.type == "cpu":
-            words = self._pcg.random_raw(-(-count // 2)).view(np.int32)[:count]
-            return torch.from_numpy(words)
+            words = hashed_words(self._keys, self._taken, count)
+            self._taken += count
+            return torch.from_numpy(words.view(np.int32))
         return torch.randint(
             0, 1 << 24, (count,), generator=self._generator, dtype=torch.int32, device=self._device
         )

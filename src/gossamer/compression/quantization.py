@@ -11,12 +11,26 @@ from typing import ClassVar
 import torch
 
 from gossamer.compression._common import Reader, block_slices, check_int, compute_dtype, scratch
-from gossamer.compression._random import RandomWords, Seeded
+from gossamer.compression._random import RandomWords, Seeded, stream_keys
 from gossamer.compression.packing import pack_bits, packed_nbytes, unpack_bits
 
 __all__ = ["QSGD", "Natural", "NaturalDithering"]
 
 _MAX_LEVELS = 127  # codes in [0, 2 * levels] then fit in one byte
+_KERNEL_BLOCK = 1 << 16  # elements a fused kernel codes and packs at a time (in cache)
+
+
+def _kernels():
+    """The fused CPU kernels, imported on first use: importing numba takes about 0.5 s."""
+    import gossamer.compression._kernels as kernels
+
+    return kernels
+
+
+def _kernel_scratch(multiple: int, dtype: torch.dtype, slot: str):
+    """A kept temporary of about :data:`_KERNEL_BLOCK` elements (a multiple of ``multiple``)."""
+    size = max(multiple, _KERNEL_BLOCK // multiple * multiple)
+    return scratch(size, dtype, torch.device("cpu"), f"quantization.kernel.{slot}").numpy()
 
 
 @dataclass(frozen=True, repr=False)
@@ -29,6 +43,7 @@ class _NormQuantizer(Seeded):
     """
 
     unbiased: ClassVar[bool] = True
+    _dithering: ClassVar[bool]  # which rounding the fused CPU kernel runs
 
     levels: int
     bucket: int = field(default=512, kw_only=True)
@@ -59,6 +74,12 @@ class _NormQuantizer(Seeded):
     def _values(self, codes: torch.Tensor, out: torch.Tensor) -> None:
         """Write ``sign * level`` in [-1, 1] of each (uint8) code into ``out``."""
 
+    def _table(self) -> torch.Tensor:
+        """The float32 value ``sign * level`` of every code ``0 .. 2 * levels``."""
+        out = torch.empty(2 * self.levels + 1)
+        self._values(torch.arange(2 * self.levels + 1, dtype=torch.uint8), out)
+        return out
+
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         numel, cdt = flat.numel(), compute_dtype(flat.dtype)
         width = min(self.bucket, numel)
@@ -67,7 +88,23 @@ class _NormQuantizer(Seeded):
             head + packed_nbytes(numel, self.bits), dtype=torch.uint8, device=flat.device
         )
         norms_out, codes_out = buffer[:head].view(cdt), buffer[head:]
-        words = RandomWords(self.seed, self._next_step(), flat.device)
+        step = self._next_step()
+        if flat.device.type == "cpu" and cdt == torch.float32:
+            multiple = math.lcm(width, 8)
+            _kernels().norm_encode(
+                flat.detach().to(torch.float32).contiguous().numpy(),
+                *stream_keys(self.seed, step),
+                self.levels,
+                width,
+                self.bits,
+                self._dithering,
+                norms_out.numpy(),
+                codes_out.numpy(),
+                _kernel_scratch(multiple, torch.uint8, "codes"),
+                _kernel_scratch(multiple, torch.float32, "r"),
+            )
+            return buffer
+        words = RandomWords(self.seed, step, flat.device)
         for block in block_slices(numel, flat.device, math.lcm(width, 8)):
             x = _buckets(flat[block].to(cdt), width)
             norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
@@ -85,6 +122,18 @@ class _NormQuantizer(Seeded):
         reader = Reader(buffer)
         norms = reader.take(-(-numel // width), cdt)
         codes = reader.rest()
+        if buffer.device.type == "cpu" and cdt == torch.float32:
+            out = torch.empty(numel)
+            _kernels().norm_decode(
+                codes.numpy(),
+                norms.numpy(),
+                self._table().numpy(),
+                width,
+                self.bits,
+                out.numpy(),
+                _kernel_scratch(math.lcm(width, 8), torch.uint8, "codes"),
+            )
+            return out.to(dtype)
         out = torch.empty(numel, dtype=dtype, device=buffer.device)
         for block in block_slices(numel, buffer.device, math.lcm(width, 8)):
             count = block.stop - block.start
@@ -137,6 +186,7 @@ class QSGD(_NormQuantizer):
     """
 
     spec_name: ClassVar[str] = "qsgd"
+    _dithering: ClassVar[bool] = False
 
     def _codes(self, x: torch.Tensor, norms: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         # Rounding t = s x_i / ||x|| to floor(t + u), u uniform in [0, 1), is QSGD's rounding
@@ -173,6 +223,7 @@ class NaturalDithering(_NormQuantizer):
     """
 
     spec_name: ClassVar[str] = "natural_dithering"
+    _dithering: ClassVar[bool] = True
 
     def _codes(self, x: torch.Tensor, norms: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         # r in [2^e, 2^(e+1)) goes up with probability r / 2^e - 1, its float32 mantissa
@@ -238,7 +289,17 @@ class Natural(Seeded):
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         numel = flat.numel()
         buffer = torch.empty(self._nbytes(numel, flat.dtype), dtype=torch.uint8, device=flat.device)
-        words = RandomWords(self.seed, self._next_step(), flat.device)
+        step = self._next_step()
+        if flat.device.type == "cpu":
+            _kernels().natural_encode(
+                flat.detach().to(torch.float32).contiguous().numpy(),
+                *stream_keys(self.seed, step),
+                buffer[:numel].numpy(),
+                buffer[numel:].numpy(),
+                _kernel_scratch(8, torch.uint8, "codes"),
+            )
+            return buffer
+        words = RandomWords(self.seed, step, flat.device)
         for block in block_slices(numel, flat.device):
             bits = flat[block].to(torch.float32).view(torch.int32)
             # A uniform 23-bit r added to the mantissa m carries into the exponent exactly
@@ -255,6 +316,15 @@ class Natural(Seeded):
         return buffer
 
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if buffer.device.type == "cpu":
+            out = torch.empty(numel)
+            _kernels().natural_decode(
+                buffer[:numel].numpy(),
+                buffer[numel:].numpy(),
+                out.numpy(),
+                _kernel_scratch(8, torch.uint8, "codes"),
+            )
+            return out.to(dtype)
         out = torch.empty(numel, dtype=dtype, device=buffer.device)
         for block in block_slices(numel, buffer.device):
             # Built in place in `out` for float32, else in a temporary kept per thread.
