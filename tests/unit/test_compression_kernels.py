@@ -9,6 +9,7 @@ import torch
 from gossamer.compression import QSGD, Natural, NaturalDithering
 from gossamer.compression._random import RandomWords, hashed_words, stream_keys
 from gossamer.compression.packing import unpack_bits
+from gossamer.compression.sparsification import _at_least
 
 F32 = np.float32
 # Sizes around the kernels' blocks (65,536 elements) and packing groups (8).
@@ -130,3 +131,15 @@ def test_natural_kernel_follows_the_formula(numel):
     decoded = (magnitude.astype(np.uint32) << 23) | (bits & 0x80000000)
     natural.load_state_dict({"step": 0})
     assert np.array_equal(natural.decompress(natural.compress(x)).numpy().view(np.uint32), decoded)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("room", [3, 10**5])  # 3: fewer than found, a second pass
+def test_top_k_candidates_are_every_entry_at_or_above_the_threshold(dtype, room):
+    x = _x(100_003, 4).to(dtype)
+    x[[5, 77, 100_000]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    threshold = x[1234].abs()  # an entry equal to it counts
+    found = _at_least(x, threshold, room)
+    magnitude = np.abs(x.numpy())
+    assert np.array_equal(found.numpy(), np.flatnonzero(magnitude >= threshold.item()))
+    assert 5 not in found.tolist() and {77, 100_000, 1234} <= set(found.tolist())

@@ -17,6 +17,7 @@ __all__ = [
     "format_value",
     "join",
     "kept",
+    "kernels",
     "scratch",
 ]
 
@@ -47,6 +48,13 @@ def scratch(numel: int, dtype: torch.dtype, device: torch.device, slot: str) -> 
     if kept is None or kept.numel() < numel:
         kept = pool[(slot, dtype)] = torch.empty(numel, dtype=dtype)
     return kept[:numel]
+
+
+def kernels():
+    """The fused CPU kernels (:mod:`._kernels`), imported on first use: numba takes 0.5 s."""
+    import gossamer.compression._kernels as loaded
+
+    return loaded
 
 
 def block_slices(numel: int, device: torch.device, multiple: int = 8) -> list[slice]:

@@ -1,4 +1,4 @@
-"""Fused CPU kernels (numba) of the stochastic quantizers: each block read once, in cache.
+"""Fused CPU kernels (numba) of the quantizers and of top-k's search: one pass, in cache.
 
 The torch formulation in :mod:`gossamer.compression.quantization` runs one pass over a block
 per operation (draws, scaling, rounding, clamping, bit packing): about ten passes and 40-70
@@ -25,6 +25,7 @@ import numpy as np
 from numba import int32, uint32
 
 __all__ = [
+    "at_least",
     "natural_decode",
     "natural_encode",
     "norm_decode",
@@ -248,3 +249,19 @@ def natural_decode(magnitudes, signs, out, codes):
         _unpack(signs, lo // 8, 1, hi - lo, codes)
         for i in range(lo, hi):
             bits[i] = (np.int32(magnitudes[i]) << 23) | (np.int32(codes[i - lo]) << 31)
+
+
+@_jit
+def at_least(x, threshold, out):
+    """Write the indices of ``|x_i| >= threshold`` into ``out`` in order; return their count.
+
+    One pass over ``x``. A count above ``len(out)`` means ``out`` holds only the first
+    ``len(out)``. NaNs never pass.
+    """
+    count = 0
+    for i in range(x.shape[0]):
+        if abs(x[i]) >= threshold:
+            if count < out.shape[0]:
+                out[count] = i
+            count += 1
+    return count

@@ -10,7 +10,14 @@ from typing import ClassVar
 
 import torch
 
-from gossamer.compression._common import Reader, block_slices, check_int, compute_dtype, scratch
+from gossamer.compression._common import (
+    Reader,
+    block_slices,
+    check_int,
+    compute_dtype,
+    kernels,
+    scratch,
+)
 from gossamer.compression._random import RandomWords, Seeded, stream_keys
 from gossamer.compression.packing import pack_bits, packed_nbytes, unpack_bits
 
@@ -18,13 +25,6 @@ __all__ = ["QSGD", "Natural", "NaturalDithering"]
 
 _MAX_LEVELS = 127  # codes in [0, 2 * levels] then fit in one byte
 _KERNEL_BLOCK = 1 << 16  # elements a fused kernel codes and packs at a time (in cache)
-
-
-def _kernels():
-    """The fused CPU kernels, imported on first use: importing numba takes about 0.5 s."""
-    import gossamer.compression._kernels as kernels
-
-    return kernels
 
 
 def _kernel_scratch(multiple: int, dtype: torch.dtype, slot: str):
@@ -91,7 +91,7 @@ class _NormQuantizer(Seeded):
         step = self._next_step()
         if flat.device.type == "cpu" and cdt == torch.float32:
             multiple = math.lcm(width, 8)
-            _kernels().norm_encode(
+            kernels().norm_encode(
                 flat.detach().to(torch.float32).contiguous().numpy(),
                 *stream_keys(self.seed, step),
                 self.levels,
@@ -124,7 +124,7 @@ class _NormQuantizer(Seeded):
         codes = reader.rest()
         if buffer.device.type == "cpu" and cdt == torch.float32:
             out = torch.empty(numel)
-            _kernels().norm_decode(
+            kernels().norm_decode(
                 codes.numpy(),
                 norms.numpy(),
                 self._table().numpy(),
@@ -291,7 +291,7 @@ class Natural(Seeded):
         buffer = torch.empty(self._nbytes(numel, flat.dtype), dtype=torch.uint8, device=flat.device)
         step = self._next_step()
         if flat.device.type == "cpu":
-            _kernels().natural_encode(
+            kernels().natural_encode(
                 flat.detach().to(torch.float32).contiguous().numpy(),
                 *stream_keys(self.seed, step),
                 buffer[:numel].numpy(),
@@ -318,7 +318,7 @@ class Natural(Seeded):
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if buffer.device.type == "cpu":
             out = torch.empty(numel)
-            _kernels().natural_decode(
+            kernels().natural_decode(
                 buffer[:numel].numpy(),
                 buffer[numel:].numpy(),
                 out.numpy(),

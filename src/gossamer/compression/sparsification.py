@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from gossamer.compression._common import (
@@ -14,6 +15,7 @@ from gossamer.compression._common import (
     compute_dtype,
     join,
     kept,
+    kernels,
 )
 from gossamer.compression._random import Seeded, generator
 from gossamer.compression.base import Compressor
@@ -65,17 +67,50 @@ def _top_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     expected = k * sample.numel() / numel
     rank = min(sample.numel(), math.ceil(expected + 4 * math.sqrt(expected)) + 16)
     threshold = torch.topk(sample, rank, sorted=False).values.min()
-    candidates = _at_least(flat, threshold)
+    candidates = _at_least(flat, threshold, room=2 * k)
     if candidates.numel() < k:
         return torch.topk(flat.abs(), k, sorted=False).indices
-    return candidates[torch.topk(flat[candidates].abs(), k, sorted=False).indices]
+    return candidates[_largest(flat[candidates].abs(), k)]
+
+
+def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` largest of ``magnitudes`` (no NaNs), in no particular order.
+
+    On CPU by numpy's introselect: 0.3 ms against torch.topk's 1-1.6 ms for 52,600 of
+    56,789 (one thread, measured).
+    """
+    if magnitudes.device.type != "cpu":
+        return torch.topk(magnitudes, k, sorted=False).indices
+    cut = magnitudes.numel() - k
+    return torch.from_numpy(np.argpartition(magnitudes.numpy(), cut)[cut:])
 
 
 _ROWS = 16
 
 
-def _at_least(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+def _at_least(flat: torch.Tensor, threshold: torch.Tensor, room: int) -> torch.Tensor:
     """Return the indices of the entries of ``flat`` with ``|x| >= threshold`` (NaN: never).
+
+    ``room`` is how many to make room for at first (more take a second pass on CPU).
+
+    On CPU (float32 and float64) a compiled loop finds them in one pass
+    (:func:`._kernels.at_least`, 7 against 15 ms for 5.26 M floats); elsewhere,
+    :func:`_at_least_by_columns`.
+    """
+    if flat.device.type != "cpu" or flat.dtype not in (torch.float32, torch.float64):
+        return _at_least_by_columns(flat, threshold)
+    values = flat.detach().contiguous().numpy()
+    limit = threshold.item()
+    found = torch.empty(room, dtype=torch.int64)
+    count = kernels().at_least(values, limit, found.numpy())
+    if count > found.numel():
+        found = torch.empty(count, dtype=torch.int64)
+        kernels().at_least(values, limit, found.numpy())
+    return found[:count]
+
+
+def _at_least_by_columns(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """:func:`_at_least` in torch operations, for every device and dtype.
 
     ``torch.nonzero`` over the whole tensor took more than half of top-k's time on CPU. So
     ``flat`` is cut into ``_ROWS`` consecutive rows and the rows' element-wise maximum
