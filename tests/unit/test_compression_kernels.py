@@ -143,3 +143,16 @@ def test_top_k_candidates_are_every_entry_at_or_above_the_threshold(dtype, room)
     magnitude = np.abs(x.numpy())
     assert np.array_equal(found.numpy(), np.flatnonzero(magnitude >= threshold.item()))
     assert 5 not in found.tolist() and {77, 100_000, 1234} <= set(found.tolist())
+
+
+@pytest.mark.parametrize("numel", [9, 65536 * 2 + 13])
+def test_kernels_add_in_place_what_they_decode(numel):
+    x, target = _x(numel, 5), _x(numel, 6)
+    for compressor in (QSGD(16, seed=1, bucket=77), NaturalDithering(8, seed=1), Natural(seed=1)):
+        payload = compressor.compress(x)
+        expect = target + compressor.decompress(payload)
+        assert torch.equal(compressor.decompress_add_(payload, target.clone()), expect)
+        # A payload cut out of a larger receive buffer at an odd offset decodes the same.
+        shifted = torch.cat([torch.zeros(1, dtype=torch.uint8), payload.buffer])[1:]
+        moved = type(payload)(shifted, payload.shape, payload.dtype)
+        assert torch.equal(compressor.decompress(moved), compressor.decompress(payload))

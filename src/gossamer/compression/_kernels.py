@@ -206,16 +206,24 @@ def _dither_codes(x, first, last, lo, norm, k1, k2, levels, codes, r):
 
 
 @_jit
-def norm_decode(packed, norms, values, width, bits, out, codes):
-    """Decode :func:`norm_encode`'s codes: ``out_i = values[code_i] * norms[i // width]``."""
+def norm_decode(packed, norms, values, width, bits, out, codes, add):
+    """Decode :func:`norm_encode`'s codes: ``out_i (+)= values[code_i] * norms[i // width]``.
+
+    ``add``: add into ``out`` instead of overwriting it.
+    """
     n, block = out.shape[0], codes.shape[0]
     for lo in range(0, n, block):
         hi = min(n, lo + block)
         _unpack(packed, lo * bits // 8, bits, hi - lo, codes)
         for b in range(lo // width, (hi + width - 1) // width):
             norm = norms[b]
-            for i in range(b * width, min(n, b * width + width)):
-                out[i] = values[codes[i - lo]] * norm
+            first, last = b * width, min(n, b * width + width)
+            if add:
+                for i in range(first, last):
+                    out[i] += values[codes[i - lo]] * norm
+            else:
+                for i in range(first, last):
+                    out[i] = values[codes[i - lo]] * norm
 
 
 @_jit
@@ -239,16 +247,25 @@ def natural_encode(x, k1, k2, magnitudes, signs, codes):
 
 
 @_jit
-def natural_decode(magnitudes, signs, out, codes):
-    """Invert :func:`natural_encode` into float32 ``out``: ``exponent << 23 | sign << 31``."""
-    bits = out.view(np.int32)
-    n = bits.shape[0]
-    block = codes.shape[0]
+def natural_decode(magnitudes, signs, out, codes, decoded, add):
+    """Invert :func:`natural_encode` into float32 ``out``: ``exponent << 23 | sign << 31``.
+
+    ``add``: add into ``out`` instead of overwriting it; ``decoded`` is a float32 scratch
+    as long as ``codes``.
+    """
+    n, block = out.shape[0], codes.shape[0]
+    bits = decoded.view(np.int32)
     for lo in range(0, n, block):
         hi = min(n, lo + block)
         _unpack(signs, lo // 8, 1, hi - lo, codes)
         for i in range(lo, hi):
-            bits[i] = (np.int32(magnitudes[i]) << 23) | (np.int32(codes[i - lo]) << 31)
+            bits[i - lo] = (np.int32(magnitudes[i]) << 23) | (np.int32(codes[i - lo]) << 31)
+        if add:
+            for i in range(lo, hi):
+                out[i] += decoded[i - lo]
+        else:
+            for i in range(lo, hi):
+                out[i] = decoded[i - lo]
 
 
 @_jit

@@ -89,7 +89,7 @@ class _NormQuantizer(Seeded):
         )
         norms_out, codes_out = buffer[:head].view(cdt), buffer[head:]
         step = self._next_step()
-        if flat.device.type == "cpu" and cdt == torch.float32:
+        if _fused(flat, flat.dtype):
             multiple = math.lcm(width, 8)
             kernels().norm_encode(
                 flat.detach().to(torch.float32).contiguous().numpy(),
@@ -117,23 +117,15 @@ class _NormQuantizer(Seeded):
         return buffer
 
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if _fused(buffer, dtype):
+            out = torch.empty(numel)
+            self._kernel_decode(buffer, numel, out, add=False)
+            return out.to(dtype)
         cdt = compute_dtype(dtype)
         width = min(self.bucket, numel)
         reader = Reader(buffer)
         norms = reader.take(-(-numel // width), cdt)
         codes = reader.rest()
-        if buffer.device.type == "cpu" and cdt == torch.float32:
-            out = torch.empty(numel)
-            kernels().norm_decode(
-                codes.numpy(),
-                norms.numpy(),
-                self._table().numpy(),
-                width,
-                self.bits,
-                out.numpy(),
-                _kernel_scratch(math.lcm(width, 8), torch.uint8, "codes"),
-            )
-            return out.to(dtype)
         out = torch.empty(numel, dtype=dtype, device=buffer.device)
         for block in block_slices(numel, buffer.device, math.lcm(width, 8)):
             count = block.stop - block.start
@@ -149,6 +141,40 @@ class _NormQuantizer(Seeded):
             if not direct:
                 out[block] = scaled.view(-1)[:count]
         return out
+
+    def _decode_add(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
+    ) -> None:
+        if _fused(buffer, dtype) and dtype == torch.float32 and target.is_contiguous():
+            self._kernel_decode(buffer, numel, target, add=True)
+        else:
+            super()._decode_add(buffer, numel, dtype, target)
+
+    def _kernel_decode(self, buffer: torch.Tensor, numel: int, out: torch.Tensor, add: bool):
+        """Decode (or with ``add``, add) a float32 payload into float32 ``out`` on CPU."""
+        width = min(self.bucket, numel)
+        reader = Reader(buffer)
+        norms = reader.take(-(-numel // width), torch.float32)
+        kernels().norm_decode(
+            _aligned(reader.rest()).numpy(),
+            norms.numpy(),
+            self._table().numpy(),
+            width,
+            self.bits,
+            out.detach().numpy(),
+            _kernel_scratch(math.lcm(width, 8), torch.uint8, "codes"),
+            add,
+        )
+
+
+def _fused(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` on ``tensor``'s device takes the fused CPU kernels."""
+    return tensor.device.type == "cpu" and compute_dtype(dtype) == torch.float32
+
+
+def _aligned(codes: torch.Tensor) -> torch.Tensor:
+    """``codes``, copied if needed so that the kernels may read it as 4-byte words."""
+    return codes if codes.data_ptr() % 4 == 0 else codes.clone()
 
 
 def _like(x: torch.Tensor, dtype: torch.dtype, slot: str) -> torch.Tensor:
@@ -318,12 +344,7 @@ class Natural(Seeded):
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if buffer.device.type == "cpu":
             out = torch.empty(numel)
-            kernels().natural_decode(
-                buffer[:numel].numpy(),
-                buffer[numel:].numpy(),
-                out.numpy(),
-                _kernel_scratch(8, torch.uint8, "codes"),
-            )
+            self._kernel_decode(buffer, numel, out, add=False)
             return out.to(dtype)
         out = torch.empty(numel, dtype=dtype, device=buffer.device)
         for block in block_slices(numel, buffer.device):
@@ -339,3 +360,22 @@ class Natural(Seeded):
             if not direct:
                 out[block] = bits.view(torch.float32)
         return out
+
+    def _decode_add(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
+    ) -> None:
+        if buffer.device.type == "cpu" and dtype == torch.float32 and target.is_contiguous():
+            self._kernel_decode(buffer, numel, target, add=True)
+        else:
+            super()._decode_add(buffer, numel, dtype, target)
+
+    def _kernel_decode(self, buffer: torch.Tensor, numel: int, out: torch.Tensor, add: bool):
+        """Decode (or with ``add``, add) a payload into float32 ``out`` on CPU."""
+        kernels().natural_decode(
+            buffer[:numel].numpy(),
+            buffer[numel:].numpy(),
+            out.detach().numpy(),
+            _kernel_scratch(8, torch.uint8, "codes"),
+            _kernel_scratch(8, torch.float32, "r"),
+            add,
+        )
