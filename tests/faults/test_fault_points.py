@@ -92,8 +92,13 @@ SCRIPT = textwrap.dedent(r"""
         report["next_lost"] = getattr(err, "ranks", None)
     report["next_s"] = time.time() - start
     print("REPORT " + json.dumps(report), flush=True)
-    # Rank 0 hosts the store: leaving at once could make a slower survivor name it instead.
-    time.sleep(5)
+    # Leaving before every survivor has reported could make a slower one name this rank
+    # too (rank 0 hosts the store): wait for their marks, as a barrier that needs no peer.
+    open(f"{mark}.{r}", "w").close()
+    others = [f"{mark}.{q}" for q in range(n) if q != victim]
+    end = time.time() + 10
+    while time.time() < end and not all(os.path.exists(o) for o in others):
+        time.sleep(0.05)
 """)
 
 # point: (world size, victim, extra environment)

@@ -5,18 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import networkx as nx
-
 from gossamer.topology.topology import Topology
 
 __all__ = ["draw"]
 
-_LAYOUTS = {
-    "circular": nx.circular_layout,
-    # A fixed seed keeps repeated drawings of one topology identical.
-    "spring": lambda graph: nx.spring_layout(graph, seed=0),
-    "shell": nx.shell_layout,
-}
+_LAYOUTS = ("circular", "spring", "shell")
 
 
 def draw(
@@ -55,6 +48,8 @@ def draw(
     if title is not None and not isinstance(title, str):
         raise TypeError(f"title must be a str or None; got {type(title).__name__}")
 
+    # Imported here: networkx and matplotlib take a second of every rank's start-up.
+    import networkx as nx
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -66,7 +61,10 @@ def draw(
     axes = figure.add_subplot()
     nx.draw_networkx(
         graph,
-        pos=_LAYOUTS[layout](graph),
+        # A fixed seed keeps repeated drawings of one topology identical.
+        pos=nx.spring_layout(graph, seed=0)
+        if layout == "spring"
+        else getattr(nx, f"{layout}_layout")(graph),
         ax=axes,
         node_color="#9ecae1",
         width=widths,

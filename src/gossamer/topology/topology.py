@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import numpy as np
 
 from gossamer.errors import TopologyError
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 __all__ = ["Topology"]
 
@@ -297,6 +299,8 @@ class Topology:
         Every non-zero ``W[i, j]`` becomes the edge ``(i, j)`` with attribute ``weight``;
         a positive diagonal entry becomes a self-loop.
         """
+        import networkx as nx  # here, not at the top: 0.3 s of every rank's start-up
+
         graph = nx.DiGraph()
         graph.add_nodes_from(range(self.size))
         rows, cols = np.nonzero(self.weights)
@@ -326,6 +330,8 @@ class Topology:
             gossamer.errors.TopologyError: ``graph`` is empty, its nodes are not exactly
                 ``0 .. n-1``, or a weight is invalid.
         """
+        import networkx as nx
+
         if not isinstance(graph, nx.Graph) or graph.is_multigraph():
             raise TypeError(f"graph must be a networkx Graph or DiGraph; got {type(graph)}")
         size = graph.number_of_nodes()
