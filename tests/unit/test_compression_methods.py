@@ -237,6 +237,19 @@ def test_topk_keeps_exactly_the_largest_magnitudes(numel, device):
     assert torch.equal(y[kept], x[kept])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_topk_large_tensor_of_every_dtype_keeps_the_largest_magnitudes(dtype):
+    # 16-bit magnitudes tie often: the k kept are the largest, whichever of equals is kept.
+    x = _randn(600_000, 12, dtype)
+    k = math.ceil(0.01 * x.numel())
+    y = TopK(0.01).decompress(TopK(0.01).compress(x))
+    kept = torch.nonzero(y).view(-1)
+    dropped = torch.ones_like(x, dtype=torch.bool)
+    dropped[kept] = False
+    assert kept.numel() == k and torch.equal(y[kept], x[kept])
+    assert x[kept].abs().min() >= x[dropped].abs().max()
+
+
 def test_topk_large_tensor_falls_back_when_the_sample_misleads():
     # The sampled positions (every 9th) hold the largest values but fewer than k: the
     # threshold estimated from the sample lets too few through, and the full topk decides.

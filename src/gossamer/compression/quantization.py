@@ -145,7 +145,7 @@ class _NormQuantizer(Seeded):
     def _decode_add(
         self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
     ) -> None:
-        if _fused(buffer, dtype) and dtype == torch.float32 and target.is_contiguous():
+        if buffer.device.type == "cpu" and dtype == torch.float32 and target.is_contiguous():
             self._kernel_decode(buffer, numel, target, add=True)
         else:
             super()._decode_add(buffer, numel, dtype, target)

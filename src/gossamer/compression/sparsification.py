@@ -81,6 +81,8 @@ def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     """
     if magnitudes.device.type != "cpu":
         return torch.topk(magnitudes, k, sorted=False).indices
+    if magnitudes.dtype not in (torch.float32, torch.float64):
+        magnitudes = magnitudes.float()  # exact for 16-bit floats; numpy has no bfloat16
     cut = magnitudes.numel() - k
     return torch.from_numpy(np.argpartition(magnitudes.numpy(), cut)[cut:])
 
