@@ -70,7 +70,8 @@ def _expanded(norms, width, numel):
 @pytest.mark.parametrize("numel", SIZES)
 # Levels 1 to 64 pack their codes in 2 to 7 bits, 127 in 8: every width the kernels pack.
 @pytest.mark.parametrize(
-    "levels, bucket", [(1, 512), (2, 64), (4, 77), (8, 512), (16, 512), (32, 5), (127, 10**6)]
+    "levels, bucket",
+    [(1, 512), (2, 64), (4, 77), (8, 512), (16, 512), (32, 5), (127, 10**6), (16, 131_085)],
 )
 def test_qsgd_kernel_codes_follow_the_formula(numel, levels, bucket):
     x = _x(numel)

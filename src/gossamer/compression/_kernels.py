@@ -55,7 +55,7 @@ def word(i, k1, k2):
 
 
 @numba.njit(inline="always")
-def _lanes(bits, lane, field):
+def _lanes(lane, field):
     """The uint64 whose every ``lane``-bit lane has its low ``field`` bits set."""
     mask = np.uint64(0)
     for start in range(0, 64, lane):
@@ -81,7 +81,7 @@ def _spread(w, m16, m32, m64, bits):
 
 @numba.njit(inline="always")
 def _pack(codes, count, bits, out, start):
-    """Pack ``codes[:count]`` LSB-first at ``bits`` (1 to 7) bits each into ``out[start:]``.
+    """Pack ``codes[:count]`` LSB-first at ``bits`` (1 to 8) bits each into ``out[start:]``.
 
     As :func:`gossamer.compression.packing.pack_bits`: groups of 8 codes form a little-endian
     word of ``bits`` bytes. ``codes`` has room for ``count`` rounded up to 8; ``out`` is
@@ -90,7 +90,7 @@ def _pack(codes, count, bits, out, start):
     groups = (count + 7) // 8
     codes[count : groups * 8] = 0
     words = codes[: groups * 8].view(np.uint64)
-    m16, m32, m64 = _lanes(bits, 16, bits), _lanes(bits, 32, 2 * bits), _lanes(bits, 64, 4 * bits)
+    m16, m32, m64 = _lanes(16, bits), _lanes(32, 2 * bits), _lanes(64, 4 * bits)
     full = min(groups, (out.shape[0] - start) // bits)  # the last group may be cut short
     if bits == 4:
         wide = out[start : start + full * 4].view(np.uint32)
@@ -122,7 +122,7 @@ def _unpack(packed, start, bits, count, codes):
     """
     groups = (count + 7) // 8
     words = codes[: groups * 8].view(np.uint64)
-    m16, m32, m64 = _lanes(bits, 16, bits), _lanes(bits, 32, 2 * bits), _lanes(bits, 64, 4 * bits)
+    m16, m32, m64 = _lanes(16, bits), _lanes(32, 2 * bits), _lanes(64, 4 * bits)
     full = min(groups, (packed.shape[0] - start) // bits)
     if bits == 4:
         wide = packed[start : start + full * 4].view(np.uint32)

@@ -33,6 +33,15 @@ def _kernel_scratch(multiple: int, dtype: torch.dtype, slot: str):
     return scratch(size, dtype, torch.device("cpu"), f"quantization.kernel.{slot}").numpy()
 
 
+def _block_multiple(width: int, numel: int) -> int:
+    """What a kernel block's size must be a multiple of: whole buckets and whole bytes.
+
+    At most ``numel`` rounded up to 8 (one block then holds everything): ``lcm(width, 8)``
+    alone would ask 8x the tensor for one large bucket of odd width.
+    """
+    return min(math.lcm(width, 8), -(-numel // 8) * 8)
+
+
 @dataclass(frozen=True, repr=False)
 class _NormQuantizer(Seeded):
     """Sign, plus a level of ``|x_i| / ||x_B||_2`` rounded stochastically between two levels.
@@ -90,7 +99,7 @@ class _NormQuantizer(Seeded):
         norms_out, codes_out = buffer[:head].view(cdt), buffer[head:]
         step = self._next_step()
         if _fused(flat, flat.dtype):
-            multiple = math.lcm(width, 8)
+            multiple = _block_multiple(width, numel)
             kernels().norm_encode(
                 flat.detach().to(torch.float32).contiguous().numpy(),
                 *stream_keys(self.seed, step),
@@ -162,7 +171,7 @@ class _NormQuantizer(Seeded):
             width,
             self.bits,
             out.detach().numpy(),
-            _kernel_scratch(math.lcm(width, 8), torch.uint8, "codes"),
+            _kernel_scratch(_block_multiple(width, numel), torch.uint8, "codes"),
             add,
         )
 
