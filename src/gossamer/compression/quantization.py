@@ -42,8 +42,20 @@ def _block_multiple(width: int, numel: int) -> int:
     return min(math.lcm(width, 8), -(-numel // 8) * 8)
 
 
+class _FusedAdd:
+    """``decompress_add_`` by the fused CPU kernel (``_kernel_decode``) where it applies."""
+
+    def _decode_add(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
+    ) -> None:
+        if buffer.device.type == "cpu" and dtype == torch.float32 and target.is_contiguous():
+            self._kernel_decode(buffer, numel, target, add=True)
+        else:
+            super()._decode_add(buffer, numel, dtype, target)
+
+
 @dataclass(frozen=True, repr=False)
-class _NormQuantizer(Seeded):
+class _NormQuantizer(_FusedAdd, Seeded):
     """Sign, plus a level of ``|x_i| / ||x_B||_2`` rounded stochastically between two levels.
 
     ``x_B`` is the bucket of ``bucket`` consecutive elements holding ``x_i``. Payload: the
@@ -150,14 +162,6 @@ class _NormQuantizer(Seeded):
             if not direct:
                 out[block] = scaled.view(-1)[:count]
         return out
-
-    def _decode_add(
-        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
-    ) -> None:
-        if buffer.device.type == "cpu" and dtype == torch.float32 and target.is_contiguous():
-            self._kernel_decode(buffer, numel, target, add=True)
-        else:
-            super()._decode_add(buffer, numel, dtype, target)
 
     def _kernel_decode(self, buffer: torch.Tensor, numel: int, out: torch.Tensor, add: bool):
         """Decode (or with ``add``, add) a float32 payload into float32 ``out`` on CPU."""
@@ -294,7 +298,7 @@ def _dithering_table(levels: int, dtype: torch.dtype, device: torch.device) -> t
 
 
 @dataclass(frozen=True, repr=False)
-class Natural(Seeded):
+class Natural(_FusedAdd, Seeded):
     """Natural compression (Horvath et al. 2019): round ``|x_i|`` to a neighbouring power of two.
 
     ``|x_i|`` in ``[2^e, 2^(e+1))`` becomes ``2^(e+1)`` with probability
@@ -369,14 +373,6 @@ class Natural(Seeded):
             if not direct:
                 out[block] = bits.view(torch.float32)
         return out
-
-    def _decode_add(
-        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
-    ) -> None:
-        if buffer.device.type == "cpu" and dtype == torch.float32 and target.is_contiguous():
-            self._kernel_decode(buffer, numel, target, add=True)
-        else:
-            super()._decode_add(buffer, numel, dtype, target)
 
     def _kernel_decode(self, buffer: torch.Tensor, numel: int, out: torch.Tensor, add: bool):
         """Decode (or with ``add``, add) a payload into float32 ``out`` on CPU."""
