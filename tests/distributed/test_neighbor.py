@@ -368,6 +368,30 @@ def test_mismatched_shapes_raise_and_show_both():
             assert "rank 2 called neighbor_allreduce of float32[4]" in message
 
 
+def _after_a_mismatch(sizes):
+    r, n = gossamer.rank(), gossamer.size()
+    graph = topo.fully_connected(n)
+    with pytest.raises(PeerError):
+        gossamer.neighbor_allreduce(torch.zeros(sizes[r == n - 1]), topology=graph)
+    # Receives posted for the other size stay posted; the same calls afterwards still
+    # receive every payload in its own call, for both sizes, several times.
+    return [
+        gossamer.neighbor_allreduce(data(r, shape=(size,), seed=step), topology=graph)
+        for step in range(2)
+        for size in sizes
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("sizes", [(3, 4), (300_001, 5)])
+def test_calls_after_a_mismatched_size_get_their_own_data(world_size, sizes):
+    graph = topo.fully_connected(world_size)
+    got = run_distributed(_after_a_mismatch, world_size, args=(sizes,))
+    for k, (step, size) in enumerate((s, z) for s in range(2) for z in sizes):
+        inputs = [data(r, shape=(size,), seed=step) for r in range(world_size)]
+        assert_all_close([g[k] for g in got], mix(graph.weights, inputs), torch.float32)
+
+
 def _mismatched_op():
     r = gossamer.rank()
     x = torch.zeros(2, 3)

@@ -1,10 +1,13 @@
 """Point-to-point exchanges and same-call checks, each preceded by a call header.
 
-Before its data, every neighbour exchange sends a :class:`~gossamer.transport.header.Header`
-(operation, dtype, shape). The receiver checks it against its own call and sizes its buffer
-from it, so a peer that called another operation or passed another shape produces an error
-naming both sides, not garbage or a hang. Headers and data travel on different tags, so a
-stray data message can never be taken for a header. Data travels as raw bytes
+With its data, every neighbour exchange sends a :class:`~gossamer.transport.header.Header`
+(operation, dtype, shape). The receiver checks it against its own call, so a peer that
+called another operation or passed another shape produces an error naming both sides, not
+garbage or a hang. Headers and data travel on different tags, so a stray data message can
+never be taken for a header. On gloo, the data travels at once, into receives sized from
+the receiver's own call, under a tag that depends on the byte count: a payload of another
+size matches none of them and is received, once its header has arrived, at the size the
+header gives (see :func:`_data_tag` and :func:`_receive`). Data travels as raw bytes
 (:mod:`~gossamer.transport.payload`), so every dtype works on every backend. On the world
 group, bytes from a higher to a lower rank travel on :func:`~gossamer.context.reverse_group`
 where there is one, so the two directions of a pair swap use two connections.
@@ -26,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +60,7 @@ __all__ = [
 ]
 
 _HEADER_TAG = 0x6F01
-_DATA_TAG = 0x6F02  # data chunks use 0x6F02 .. 0x6F02 + MAX_CHUNKS - 1
+_DATA_TAGS = 1 << 30  # payload tags: 2^30 + MAX_CHUNKS * (hash of the byte count) + chunk
 # Large CPU messages between machines travel as several chunks in flight per peer.
 # Measured on emulated 100 Mbit links (benchmarks/netbench, 4 hosts): a 1.2 MB exchange
 # alternating between peers took 150 ms per call as one gloo message and 110 ms as 4 or 16
@@ -79,10 +82,11 @@ class Buffers:
     def __init__(self, limit_bytes: int = 512 * 2**20) -> None:
         self.limit_bytes = limit_bytes
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        # Receives left posted by a mismatched call, by (group, source, bytes, device).
+        self.unclaimed: dict[tuple, tuple[torch.Tensor, list[tuple[int, dist.Work]]]] = {}
 
-    def get(self, head: Header, device: torch.device, peer: int) -> torch.Tensor:
-        """A flat ``uint8`` tensor of the size of what ``peer`` sends, as ``head`` describes."""
-        size = nbytes_of(head.dtype, head.numel)
+    def get(self, size: int, device: torch.device, peer: int) -> torch.Tensor:
+        """A flat ``uint8`` tensor of ``size`` bytes for what ``peer`` sends."""
         key = (peer, size, device)
         flat = self._cache.pop(key, None)
         if flat is None:
@@ -93,6 +97,11 @@ class Buffers:
         ):
             self._cache.popitem(last=False)
         return flat
+
+    def leave(self, key: tuple, flat: torch.Tensor, works: list[tuple[int, dist.Work]]) -> None:
+        """Keep a receive that stays posted; its buffer is no longer handed out."""
+        self._cache.pop((key[1], flat.nbytes, flat.device), None)
+        self.unclaimed[key] = (flat, works)
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -116,12 +125,13 @@ def post_chunks(
     sends: Sequence[tuple[int, torch.Tensor]],
     recvs: Sequence[tuple[int, torch.Tensor]],
     group: dist.ProcessGroup | None,
-    tag: int,
+    tag: int | Callable[[int], int],
     failed: dict[int, str] | None = None,
     reverse: dist.ProcessGroup | None = None,
 ) -> list[tuple[int, dist.Work]]:
     """Post every send and receive (flat bytes) at once, in chunks with tags ``tag``, ...
 
+    ``tag`` is a number, or a function of a message's byte count that gives its tag.
     Returns ``(global peer, work)`` per posted piece (peer -1 when the backend coalesced).
     With ``failed`` (elastic exchanges), pieces are posted one by one and a peer whose
     post raises a backend error (gloo refuses a pair whose peer died) is recorded there
@@ -146,15 +156,20 @@ def post_chunks(
     # swap), gloo can run the pair's two directions in turn, at half the link (a raw
     # 21 MB swap on the emulated 1 Gbit network: 343 ms, against 177-188 ms with
     # receives first; see docs/benchmarks.md).
-    posts = [(dist.irecv, p, c) for p, t in recvs for c in pieces(p, t)]
-    posts += [(dist.isend, p, c) for p, t in sends for c in pieces(p, t)]
+    def first(t: torch.Tensor) -> int:
+        return tag(t.nbytes) if callable(tag) else tag
+
+    def posts_of(fn, pairs: Sequence[tuple[int, torch.Tensor]]) -> list[tuple]:
+        return [(fn, p, c, first(t) + k) for p, t in pairs for k, c in enumerate(pieces(p, t))]
+
+    posts = posts_of(dist.irecv, recvs) + posts_of(dist.isend, sends)
     if not posts:
         return []
-    ops, index = [], {}
-    for fn, peer, chunk in posts:
-        k = index[fn, peer] = index.get((fn, peer), -1) + 1
-        ops.append(dist.P2POp(fn, chunk, group=route(fn, peer), group_peer=peer, tag=tag + k))
-    peers = [_global(group, p) for _, p, _ in posts]
+    ops = [
+        dist.P2POp(fn, chunk, group=route(fn, peer), group_peer=peer, tag=t)
+        for fn, peer, chunk, t in posts
+    ]
+    peers = [_global(group, p) for _, p, _, _ in posts]
     if failed is not None:
         return _post_each(ops, peers, failed)
     # batch_isend_irecv takes one group; on two groups (gloo) it would post one by one too.
@@ -187,47 +202,85 @@ def _post_each(
     return posted
 
 
-def _p2p(
-    op: str,
-    sends: Sequence[tuple[int, torch.Tensor]],
-    recvs: Sequence[tuple[int, torch.Tensor]],
+def _data_tag(nbytes: int) -> int:
+    """The first tag of an exchange's payload of ``nbytes`` bytes (chunk ``k`` adds ``k``).
+
+    A payload of another size never matches a receive posted for this one: gloo aborts the
+    process when a message outgrows its receive, and receives are posted before the
+    header that would show a mismatched call. Byte counts are hashed to 25 bits
+    (Fibonacci hashing), so two sizes share a tag with probability 2^-25.
+    """
+    mixed = (nbytes * 0x9E3779B97F4A7C15) % 2**64
+    return _DATA_TAGS + (mixed >> 39) * MAX_CHUNKS
+
+
+def _receive(
+    sizes: Mapping[int, int],
     group: dist.ProcessGroup | None,
-    tag: int,
-) -> None:
-    """Post every send and receive at once (see :func:`post_chunks`) and wait for all of them."""
-    works = post_chunks(sends, recvs, group, tag)
-    count_sent(op, sum(t.nbytes for _, t in sends))
-    wait_works(op, works)
+    device: torch.device,
+    failed: dict[int, str] | None = None,
+) -> dict[int, tuple[torch.Tensor, list[tuple[int, dist.Work]]]]:
+    """Post a receive of ``sizes[s]`` bytes from every ``s``: its buffer and posted work.
+
+    A receive that an earlier mismatched call left posted for the same source and size
+    would take this one's payload first (gloo matches in order), so it is taken over.
+    """
+    buffers = context.runtime().component("transport.buffers", Buffers)
+    got, fresh = {}, {}
+    for s, n in sizes.items():
+        left = buffers.unclaimed.pop((group, s, n, device), None)
+        if left is not None:
+            got[s] = left
+        else:
+            fresh[s] = buffers.get(n, device, s)
+    works = post_chunks([], list(fresh.items()), group, _data_tag, failed)
+    for s, flat in fresh.items():
+        got[s] = (flat, [(p, w) for p, w in works if p == _global(group, s)])
+    return got
 
 
-def _headers_then_data(
+def _headers_and_data(
     op: str,
     mine: Header,
     sends: Mapping[int, torch.Tensor],
     sources: Sequence[int],
     group: dist.ProcessGroup | None,
     device: torch.device,
+    early: bool = False,
 ) -> tuple[dict[int, Header], dict[int, torch.Tensor]]:
-    """Send ``mine`` then ``sends[d]`` to every ``d``; receive both from every source.
+    """Send ``mine`` and ``sends[d]`` to every ``d``; receive both from every source.
 
     Returns the sources' headers and their payloads (flat bytes, sized from the headers).
+    With ``early``, the payloads are sent and received with the headers, each receive
+    sized from ``mine``, and a payload of another size (a mismatched call) is received
+    once its header arrived: the header costs no round trip before the data. Otherwise
+    the payloads move after every header arrived.
     """
     heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
-    buffers = context.runtime().component("transport.buffers", Buffers)
     header_bytes = as_bytes(mine.encode())
+    payloads = [(d, as_bytes(t)) for d, t in sends.items()]
+    expected = nbytes_of(mine.dtype, mine.numel)
     with timeline.record(op, "communicating"):
-        _p2p(
-            op,
+        header_works = post_chunks(
             [(d, header_bytes) for d in sends],
             [(s, as_bytes(h)) for s, h in heads.items()],
             group,
             _HEADER_TAG,
         )
+        got = _receive(dict.fromkeys(sources, expected), group, device) if early else {}
+        sent = post_chunks(payloads, [], group, _data_tag) if early else []
+        wait_works(op, header_works)
         theirs = {s: Header.decode(h) for s, h in heads.items()}
-        raw = {s: buffers.get(h, device, s) for s, h in theirs.items()}
-        payloads = [(d, as_bytes(t)) for d, t in sends.items()]
-        _p2p(op, payloads, list(raw.items()), group, _DATA_TAG)
-    return theirs, raw
+        sizes = {s: nbytes_of(h.dtype, h.numel) for s, h in theirs.items()}
+        buffers = context.runtime().component("transport.buffers", Buffers)
+        for s in [s for s in got if got[s][0].nbytes != sizes[s]]:
+            buffers.leave((group, s, expected, device), *got.pop(s))
+        got |= _receive({s: n for s, n in sizes.items() if s not in got}, group, device)
+        if not early:
+            sent = post_chunks(payloads, [], group, _data_tag)
+        count_sent(op, len(sends) * header_bytes.nbytes + sum(t.nbytes for _, t in payloads))
+        wait_works(op, [w for _, works in got.values() for w in works] + sent)
+    return theirs, {s: flat for s, (flat, _) in got.items()}
 
 
 def _text(data: torch.Tensor) -> str:
@@ -259,7 +312,8 @@ def exchange(
             received (and dropped) first, so the sender does not hang.
     """
     mine = Header.of(op, tensor, codec=codec)
-    theirs, raw = _headers_then_data(op, mine, sends, sources, group, tensor.device)
+    early = not any_first_dim and tensor.device.type == "cpu" and context.backend() == "gloo"
+    theirs, raw = _headers_and_data(op, mine, sends, sources, group, tensor.device, early)
     refused = {h.slot: _text(raw[s]) for s, h in theirs.items() if h.op == REJECTED}
     if refused:
         raise peer_argument_error(op, refused)
@@ -288,7 +342,7 @@ def exchange_rejected(
     """
     device = device if device is not None else context.device()
     data = torch.frombuffer(bytearray(reason.encode()), dtype=torch.uint8).to(device)
-    _headers_then_data(
+    _headers_and_data(
         op, rejected_header(op, reason, origin), dict.fromkeys(dsts, data), sources, group, device
     )
 
@@ -413,7 +467,6 @@ def exchange_surviving(
     """
     mine = Header.of(op, tensor, epoch=epoch, codec=codec)
     heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
-    buffers = context.runtime().component("transport.buffers", Buffers)
     header_bytes = as_bytes(mine.encode())
     with timeline.record(op, "communicating"):
         failed: dict[int, str] = {}
@@ -426,9 +479,12 @@ def exchange_surviving(
         )
         failed.update(_wait_each(posted))
         theirs = {s: Header.decode(h) for s, h in heads.items() if _global(group, s) not in failed}
-        raw = {s: buffers.get(h, tensor.device, s) for s, h in theirs.items()}
+        sizes = {s: nbytes_of(h.dtype, h.numel) for s, h in theirs.items()}
+        got = _receive(sizes, group, tensor.device, failed)
+        raw = {s: flat for s, (flat, _) in got.items()}
         payloads = [(d, as_bytes(t)) for d, t in sends.items() if _global(group, d) not in failed]
-        posted = post_chunks(payloads, list(raw.items()), group, _DATA_TAG, failed)
+        posted = [w for _, works in got.values() for w in works]
+        posted += post_chunks(payloads, [], group, _data_tag, failed)
         count_sent(op, len(sends) * header_bytes.nbytes + sum(t.nbytes for _, t in payloads))
         failed.update(_wait_each(posted))
     if failed:
