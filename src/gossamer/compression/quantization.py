@@ -122,7 +122,6 @@ class _NormQuantizer(_FusedAdd, Seeded):
                 norms_out.numpy(),
                 codes_out.numpy(),
                 _kernel_scratch(multiple, torch.uint8, "codes"),
-                _kernel_scratch(multiple, torch.float32, "r"),
             )
             return buffer
         words = RandomWords(self.seed, step, flat.device)
