@@ -69,9 +69,21 @@ def _expanded(norms, width, numel):
 
 @pytest.mark.parametrize("numel", SIZES)
 # Levels 1 to 64 pack their codes in 2 to 7 bits, 127 in 8: every width the kernels pack.
+# Buckets of 17 make blocks of 481 x 17 x 8 elements, so the 3-bit codes of the second
+# block start at an odd byte.
 @pytest.mark.parametrize(
     "levels, bucket",
-    [(1, 512), (2, 64), (4, 77), (8, 512), (16, 512), (32, 5), (127, 10**6), (16, 131_085)],
+    [
+        (1, 512),
+        (2, 64),
+        (2, 17),
+        (4, 77),
+        (8, 512),
+        (16, 512),
+        (32, 5),
+        (127, 10**6),
+        (16, 131_085),
+    ],
 )
 def test_qsgd_kernel_codes_follow_the_formula(numel, levels, bucket):
     x = _x(numel)
