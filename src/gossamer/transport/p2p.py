@@ -218,25 +218,28 @@ def _receive(
     sizes: Mapping[int, int],
     group: dist.ProcessGroup | None,
     device: torch.device,
+    sends: Sequence[tuple[int, torch.Tensor]] = (),
     failed: dict[int, str] | None = None,
-) -> dict[int, tuple[torch.Tensor, list[tuple[int, dist.Work]]]]:
-    """Post a receive of ``sizes[s]`` bytes from every ``s``: its buffer and posted work.
+) -> tuple[dict[int, torch.Tensor], list[tuple[int, dist.Work]]]:
+    """Post a receive of ``sizes[s]`` bytes from every ``s``, with ``sends`` in one batch.
 
-    A receive that an earlier mismatched call left posted for the same source and size
-    would take this one's payload first (gloo matches in order), so it is taken over.
+    Returns each source's buffer and the posted work. One batch, because NCCL runs a
+    batch's transfers together but the batches of a stream in turn: two ends that each
+    post their receive before their send would each wait for the other. A receive that an
+    earlier mismatched call left posted for the same source and size would take this
+    one's payload first (gloo matches in order), so it is taken over instead.
     """
     buffers = context.runtime().component("transport.buffers", Buffers)
-    got, fresh = {}, {}
+    flats, works, fresh = {}, [], {}
     for s, n in sizes.items():
         left = buffers.unclaimed.pop((group, s, n, device), None)
         if left is not None:
-            got[s] = left
+            flats[s], adopted = left
+            works += adopted
         else:
-            fresh[s] = buffers.get(n, device, s)
-    works = post_chunks([], list(fresh.items()), group, _data_tag, failed)
-    for s, flat in fresh.items():
-        got[s] = (flat, [(p, w) for p, w in works if p == _global(group, s)])
-    return got
+            flats[s] = fresh[s] = buffers.get(n, device, s)
+    works += post_chunks(sends, list(fresh.items()), group, _data_tag, failed)
+    return flats, works
 
 
 def _headers_and_data(
@@ -251,10 +254,11 @@ def _headers_and_data(
     """Send ``mine`` and ``sends[d]`` to every ``d``; receive both from every source.
 
     Returns the sources' headers and their payloads (flat bytes, sized from the headers).
-    With ``early``, the payloads are sent and received with the headers, each receive
-    sized from ``mine``, and a payload of another size (a mismatched call) is received
-    once its header arrived: the header costs no round trip before the data. Otherwise
-    the payloads move after every header arrived.
+    With ``early`` (gloo only: it posts receives and sends apart), the payloads are sent
+    and received with the headers, each receive sized from ``mine``, and a payload of
+    another size (a mismatched call) is received once its header arrived: the header
+    costs no round trip before the data. Otherwise the payloads move after every header
+    arrived.
     """
     heads = {s: torch.empty(HEADER_LEN, dtype=torch.int64) for s in sources}
     header_bytes = as_bytes(mine.encode())
@@ -267,20 +271,29 @@ def _headers_and_data(
             group,
             _HEADER_TAG,
         )
-        got = _receive(dict.fromkeys(sources, expected), group, device) if early else {}
+        flats, works = (
+            _receive(dict.fromkeys(sources, expected), group, device) if early else ({}, [])
+        )
         sent = post_chunks(payloads, [], group, _data_tag) if early else []
         wait_works(op, header_works)
         theirs = {s: Header.decode(h) for s, h in heads.items()}
         sizes = {s: nbytes_of(h.dtype, h.numel) for s, h in theirs.items()}
         buffers = context.runtime().component("transport.buffers", Buffers)
-        for s in [s for s in got if got[s][0].nbytes != sizes[s]]:
-            buffers.leave((group, s, expected, device), *got.pop(s))
-        got |= _receive({s: n for s, n in sizes.items() if s not in got}, group, device)
-        if not early:
-            sent = post_chunks(payloads, [], group, _data_tag)
+        for s in [s for s in flats if flats[s].nbytes != sizes[s]]:
+            peer = _global(group, s)  # gloo gives a work per transfer: leave the peer's
+            buffers.leave(
+                (group, s, expected, device), flats.pop(s), [w for w in works if w[0] == peer]
+            )
+            works = [w for w in works if w[0] != peer]
+        late, late_works = _receive(
+            {s: n for s, n in sizes.items() if s not in flats},
+            group,
+            device,
+            [] if early else payloads,
+        )
         count_sent(op, len(sends) * header_bytes.nbytes + sum(t.nbytes for _, t in payloads))
-        wait_works(op, [w for _, works in got.values() for w in works] + sent)
-    return theirs, {s: flat for s, (flat, _) in got.items()}
+        wait_works(op, works + late_works + sent)
+    return theirs, flats | late
 
 
 def _text(data: torch.Tensor) -> str:
@@ -480,11 +493,8 @@ def exchange_surviving(
         failed.update(_wait_each(posted))
         theirs = {s: Header.decode(h) for s, h in heads.items() if _global(group, s) not in failed}
         sizes = {s: nbytes_of(h.dtype, h.numel) for s, h in theirs.items()}
-        got = _receive(sizes, group, tensor.device, failed)
-        raw = {s: flat for s, (flat, _) in got.items()}
         payloads = [(d, as_bytes(t)) for d, t in sends.items() if _global(group, d) not in failed]
-        posted = [w for _, works in got.values() for w in works]
-        posted += post_chunks(payloads, [], group, _data_tag, failed)
+        raw, posted = _receive(sizes, group, tensor.device, payloads, failed)
         count_sent(op, len(sends) * header_bytes.nbytes + sum(t.nbytes for _, t in payloads))
         failed.update(_wait_each(posted))
     if failed:
