@@ -368,30 +368,6 @@ def test_mismatched_shapes_raise_and_show_both():
             assert "rank 2 called neighbor_allreduce of float32[4]" in message
 
 
-def _after_a_mismatch(sizes):
-    r, n = gossamer.rank(), gossamer.size()
-    graph = topo.fully_connected(n)
-    with pytest.raises(PeerError):
-        gossamer.neighbor_allreduce(torch.zeros(sizes[r == n - 1]), topology=graph)
-    # Receives posted for the other size stay posted; the same calls afterwards still
-    # receive every payload in its own call, for both sizes, several times.
-    return [
-        gossamer.neighbor_allreduce(data(r, shape=(size,), seed=step), topology=graph)
-        for step in range(2)
-        for size in sizes
-    ]
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("sizes", [(3, 4), (300_001, 5)])
-def test_calls_after_a_mismatched_size_get_their_own_data(world_size, sizes):
-    graph = topo.fully_connected(world_size)
-    got = run_distributed(_after_a_mismatch, world_size, args=(sizes,))
-    for k, (step, size) in enumerate((s, z) for s in range(2) for z in sizes):
-        inputs = [data(r, shape=(size,), seed=step) for r in range(world_size)]
-        assert_all_close([g[k] for g in got], mix(graph.weights, inputs), torch.float32)
-
-
 def _mismatched_op():
     r = gossamer.rank()
     x = torch.zeros(2, 3)
@@ -484,6 +460,49 @@ def test_large_messages_travel_in_chunks_and_arrive_whole(world_size, shape, mac
     for r, (_, gathered) in enumerate(got):
         srcs = graph.in_neighbors(r)
         assert torch.equal(gathered, torch.cat([data(s, shape=(1000 * (s + 1), 70)) for s in srcs]))
+
+
+def _mismatched_size(sizes):
+    r, n = gossamer.rank(), gossamer.size()
+    with pytest.raises(PeerError):
+        gossamer.neighbor_allreduce(
+            torch.zeros(sizes[r == n - 1]), topology=topo.fully_connected(n)
+        )
+    return True
+
+
+def _same_size_calls(sizes):
+    graph = topo.fully_connected(gossamer.size())
+    return [
+        gossamer.neighbor_allreduce(data(gossamer.rank(), shape=(size,), seed=k), topology=graph)
+        for k in range(2)
+        for size in sizes
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+# (5, 300_001): the last rank waits for a large payload from lower ranks, which travels on
+# the world group in both layouts, whole on one machine and in pieces across machines.
+@pytest.mark.parametrize("sizes", [(3, 4), (300_001, 5), (5, 300_001)])
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ("one machine", "one machine"),
+        ("one machine", "a machine per rank"),
+        ("a machine per rank", "one machine"),
+        ("a machine per rank", "a machine per rank"),
+    ],
+)
+def test_calls_after_a_mismatched_size_get_their_own_data(world_size, sizes, before, after):
+    # The mismatch leaves receives posted for the other size (gloo cannot withdraw them);
+    # the calls after it, in the same runtime or after a re-init on the same process group
+    # (a change of layout), must each still receive their own data, for both sizes.
+    assert all(run_distributed(_mismatched_size, world_size, args=(sizes,), env=MACHINES[before]))
+    got = run_distributed(_same_size_calls, world_size, args=(sizes,), env=MACHINES[after])
+    graph = topo.fully_connected(world_size)
+    for k, (seed, size) in enumerate((s, z) for s in range(2) for z in sizes):
+        inputs = [data(r, shape=(size,), seed=seed) for r in range(world_size)]
+        assert_all_close([g[k] for g in got], mix(graph.weights, inputs), torch.float32)
 
 
 def _large_mismatch():

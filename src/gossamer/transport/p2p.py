@@ -82,8 +82,6 @@ class Buffers:
     def __init__(self, limit_bytes: int = 512 * 2**20) -> None:
         self.limit_bytes = limit_bytes
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        # Receives left posted by a mismatched call, by (group, source, bytes, device).
-        self.unclaimed: dict[tuple, tuple[torch.Tensor, list[tuple[int, dist.Work]]]] = {}
 
     def get(self, size: int, device: torch.device, peer: int) -> torch.Tensor:
         """A flat ``uint8`` tensor of ``size`` bytes for what ``peer`` sends."""
@@ -98,78 +96,73 @@ class Buffers:
             self._cache.popitem(last=False)
         return flat
 
-    def leave(self, key: tuple, flat: torch.Tensor, works: list[tuple[int, dist.Work]]) -> None:
-        """Keep a receive that stays posted; its buffer is no longer handed out."""
-        self._cache.pop((key[1], flat.nbytes, flat.device), None)
-        self.unclaimed[key] = (flat, works)
+    def release(self, peer: int, flat: torch.Tensor) -> None:
+        """Hand ``flat`` out no more (a receive into it stays posted)."""
+        self._cache.pop((peer, flat.nbytes, flat.device), None)
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _chunks(tensor: torch.Tensor, remote: bool) -> list[torch.Tensor]:
-    """``tensor`` (flat bytes) as consecutive pieces of about ``_CHUNK_BYTES`` (views).
+def _path(
+    fn: Callable,
+    peer: int,
+    nbytes: int,
+    host: bool,
+    group: dist.ProcessGroup | None,
+    reverse: dist.ProcessGroup | None,
+) -> tuple[dist.ProcessGroup | None, int]:
+    """Where a message of ``nbytes`` sent or received (``fn``) with ``peer`` goes.
 
-    Only messages to or from another machine are split: on one machine the pieces cost
-    more than they gain. Both sides split by byte count and by machine alone, so a
-    sender's pieces match its receiver's.
+    Returns its group and the number of pieces it travels in (``host``: the bytes are in
+    host memory). Both ends pick both from (source, destination, size) alone, so they
+    always agree. Only host messages between machines are split, in pieces of about
+    ``_CHUNK_BYTES``: on one machine the pieces cost more than they gain (NCCL coalesces a
+    batch itself).
     """
-    if not remote or tensor.device.type != "cpu" or tensor.nbytes <= _CHUNK_BYTES:
-        return [tensor]  # NCCL coalesces a batch itself
-    pieces = min(MAX_CHUNKS, math.ceil(tensor.nbytes / _CHUNK_BYTES))
-    return list(tensor.tensor_split(pieces))
+    layout = context.layout()
+    downward = (layout.rank > peer) == (fn is dist.isend)
+    remote = layout.machine_of[_global(group, peer)] != layout.machine_rank
+    whole = not remote or not host or nbytes <= _CHUNK_BYTES
+    pieces = 1 if whole else min(MAX_CHUNKS, math.ceil(nbytes / _CHUNK_BYTES))
+    return (reverse if reverse is not None and downward else group), pieces
 
 
 def post_chunks(
     sends: Sequence[tuple[int, torch.Tensor]],
     recvs: Sequence[tuple[int, torch.Tensor]],
     group: dist.ProcessGroup | None,
-    tag: int | Callable[[int], int],
+    tag: int | Callable[[int, int], int],
     failed: dict[int, str] | None = None,
     reverse: dist.ProcessGroup | None = None,
 ) -> list[tuple[int, dist.Work]]:
     """Post every send and receive (flat bytes) at once, in chunks with tags ``tag``, ...
 
-    ``tag`` is a number, or a function of a message's byte count that gives its tag.
-    Returns ``(global peer, work)`` per posted piece (peer -1 when the backend coalesced).
-    With ``failed`` (elastic exchanges), pieces are posted one by one and a peer whose
-    post raises a backend error (gloo refuses a pair whose peer died) is recorded there
-    with the error, and not posted to again, instead of stopping the whole batch.
-    ``reverse``: the group of messages from a higher to a lower rank, when ``group`` is
-    not None (over the world, the runtime's second group).
+    ``tag`` is a number, or a function of a message's byte count and piece count that
+    gives its first tag. Returns ``(global peer, work)`` per posted piece (peer -1 when
+    the backend coalesced). With ``failed`` (elastic exchanges), pieces are posted one by
+    one and a peer whose post raises a backend error (gloo refuses a pair whose peer died)
+    is recorded there with the error, and not posted to again, instead of stopping the
+    whole batch. ``reverse``: the group of messages from a higher to a lower rank, when
+    ``group`` is not None (over the world, the runtime's second group).
     """
-    layout = context.layout()
     if group is None:
         reverse = context.reverse_group()
-
-    def pieces(peer: int, tensor: torch.Tensor) -> list[torch.Tensor]:
-        remote = layout.machine_of[_global(group, peer)] != layout.machine_rank
-        return _chunks(tensor, remote)
-
-    def route(fn, peer: int) -> dist.ProcessGroup | None:
-        # Both ends pick the group from (source, destination) alone, so they always agree.
-        downward = (layout.rank > peer) == (fn is dist.isend)
-        return reverse if reverse is not None and downward else group
-
     # Receives before sends: when both ends of a pair post their sends first (a pair
     # swap), gloo can run the pair's two directions in turn, at half the link (a raw
     # 21 MB swap on the emulated 1 Gbit network: 343 ms, against 177-188 ms with
     # receives first; see docs/benchmarks.md).
-    def first(t: torch.Tensor) -> int:
-        return tag(t.nbytes) if callable(tag) else tag
-
-    def posts_of(fn, pairs: Sequence[tuple[int, torch.Tensor]]) -> list[tuple]:
-        return [(fn, p, c, first(t) + k) for p, t in pairs for k, c in enumerate(pieces(p, t))]
-
-    posts = posts_of(dist.irecv, recvs) + posts_of(dist.isend, sends)
-    if not posts:
+    ops, peers = [], []
+    for fn, pairs in ((dist.irecv, recvs), (dist.isend, sends)):
+        for peer, t in pairs:
+            via, pieces = _path(fn, peer, t.nbytes, t.device.type == "cpu", group, reverse)
+            first = tag(t.nbytes, pieces) if callable(tag) else tag
+            for k, piece in enumerate(t.tensor_split(pieces) if pieces > 1 else [t]):
+                ops.append(dist.P2POp(fn, piece, group=via, group_peer=peer, tag=first + k))
+                peers.append(_global(group, peer))
+    if not ops:
         return []
-    ops = [
-        dist.P2POp(fn, chunk, group=route(fn, peer), group_peer=peer, tag=t)
-        for fn, peer, chunk, t in posts
-    ]
-    peers = [_global(group, p) for _, p, _, _ in posts]
     if failed is not None:
         return _post_each(ops, peers, failed)
     # batch_isend_irecv takes one group; on two groups (gloo) it would post one by one too.
@@ -202,16 +195,35 @@ def _post_each(
     return posted
 
 
-def _data_tag(nbytes: int) -> int:
-    """The first tag of an exchange's payload of ``nbytes`` bytes (chunk ``k`` adds ``k``).
+def _data_tag(nbytes: int, pieces: int) -> int:
+    """The first tag of an exchange's payload of ``nbytes`` bytes in ``pieces`` pieces.
 
     A payload of another size never matches a receive posted for this one: gloo aborts the
     process when a message outgrows its receive, and receives are posted before the
-    header that would show a mismatched call. Byte counts are hashed to 25 bits
-    (Fibonacci hashing), so two sizes share a tag with probability 2^-25.
+    header that would show a mismatched call. The piece count is in the tag too, so that
+    no piece matches a receive posted, under another layout of the machines, for a whole
+    payload. Both are hashed to 25 bits (Fibonacci hashing), so two sizes share a tag with
+    probability 2^-25.
     """
-    mixed = (nbytes * 0x9E3779B97F4A7C15) % 2**64
+    mixed = ((nbytes * MAX_CHUNKS + pieces) * 0x9E3779B97F4A7C15) % 2**64
     return _DATA_TAGS + (mixed >> 39) * MAX_CHUNKS
+
+
+# Receives that a mismatched call left posted (gloo cannot withdraw one), by where they
+# wait: (group, source, bytes, pieces, device). They belong to the gloo group, which
+# outlives gossamer's runtime (a re-init keeps the process group), so they live here.
+_UNCLAIMED: dict[tuple, tuple[torch.Tensor, list[tuple[int, dist.Work]]]] = {}
+
+
+def _unclaimed_key(
+    group: dist.ProcessGroup | None, source: int, nbytes: int, device: torch.device
+) -> tuple:
+    """Where a receive of ``nbytes`` from ``source`` waits, as :data:`_UNCLAIMED` keys it."""
+    reverse = context.reverse_group() if group is None else None
+    host = device.type == "cpu"
+    via, pieces = _path(dist.irecv, source, nbytes, host, group, reverse)
+    world = dist.group.WORLD if via is None else via
+    return (world, _global(group, source), nbytes, pieces, device)
 
 
 def _receive(
@@ -232,7 +244,7 @@ def _receive(
     buffers = context.runtime().component("transport.buffers", Buffers)
     flats, works, fresh = {}, [], {}
     for s, n in sizes.items():
-        left = buffers.unclaimed.pop((group, s, n, device), None)
+        left = _UNCLAIMED.pop(_unclaimed_key(group, s, n, device), None)
         if left is not None:
             flats[s], adopted = left
             works += adopted
@@ -280,10 +292,10 @@ def _headers_and_data(
         sizes = {s: nbytes_of(h.dtype, h.numel) for s, h in theirs.items()}
         buffers = context.runtime().component("transport.buffers", Buffers)
         for s in [s for s in flats if flats[s].nbytes != sizes[s]]:
-            peer = _global(group, s)  # gloo gives a work per transfer: leave the peer's
-            buffers.leave(
-                (group, s, expected, device), flats.pop(s), [w for w in works if w[0] == peer]
-            )
+            peer = _global(group, s)  # gloo gives a work per transfer: keep the peer's
+            buffers.release(s, flats[s])
+            kept = (flats.pop(s), [w for w in works if w[0] == peer])
+            _UNCLAIMED[_unclaimed_key(group, s, expected, device)] = kept
             works = [w for w in works if w[0] != peer]
         late, late_works = _receive(
             {s: n for s, n in sizes.items() if s not in flats},
