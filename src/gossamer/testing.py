@@ -17,7 +17,9 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import random
 import shutil
+import socket
 import tempfile
 import time
 import traceback
@@ -26,7 +28,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["RankError", "RankPool", "run_distributed"]
+__all__ = ["RankError", "RankPool", "free_port", "run_distributed"]
 
 # After one rank fails, how long the others get to finish before the pool is killed.
 _GRACE_S = 3.0
@@ -231,6 +233,31 @@ class RankPool:
         for conn in self._conns:
             conn.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, below the kernel's ephemeral range.
+
+    For the store of ranks that a test starts itself. A port from ``bind(0)`` comes from
+    the ephemeral range, where the outgoing connections of other ranks (gloo opens one per
+    pair) can take it before the store listens (``EADDRINUSE``, seen in the fault tests).
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    for _ in range(200):
+        port = random.randrange(10_000, max(low, 10_001))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 _pools: OrderedDict[int, RankPool] = OrderedDict()

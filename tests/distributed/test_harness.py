@@ -1,4 +1,5 @@
 import os
+import socket
 import time
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import gossamer
-from gossamer.testing import RankError, RankPool, run_distributed
+from gossamer.testing import RankError, RankPool, free_port, run_distributed
 
 
 def _whoami():
@@ -124,3 +125,13 @@ def test_bad_world_size_is_rejected(bad):
 def test_bad_timeout_is_rejected(bad):
     with pytest.raises(ValueError, match="timeout"):
         run_distributed(_whoami, 1, timeout=bad)
+
+
+def test_free_port_is_free_and_below_the_ephemeral_range():
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        low = int(ports.read().split()[0])
+    found = {free_port() for _ in range(20)}
+    assert all(10_000 <= port < low for port in found) and len(found) > 1
+    port = found.pop()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # raises if the port was taken

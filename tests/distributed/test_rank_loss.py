@@ -10,13 +10,14 @@ survivor must also fail at once on its next call, and exit normally.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+
+from gossamer.testing import free_port
 
 SCRIPT = textwrap.dedent(r"""
     import json, os, signal, sys, time, torch, gossamer
@@ -60,12 +61,6 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # world size, victim, environment. Rank 0 hosts the rendezvous store here (no torchrun agent):
 # killing it takes the heartbeats' store with it, which names it too.
 CASES = {
@@ -85,7 +80,7 @@ def test_survivors_name_the_killed_rank(op, tmp_path):
         **os.environ,
         **extra,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world),
         # the deadline the survivors must beat, by far; the test fails on a hang long before
         "GOSSAMER_TIMEOUT": "60",

@@ -1,11 +1,12 @@
 """A rank that dies while holding a window mutex: the survivor gets RankLostError, not a hang."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 import time
+
+from gossamer.testing import free_port
 
 SCRIPT = textwrap.dedent(r"""
     import os, sys, time, torch, gossamer
@@ -33,19 +34,13 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_dead_mutex_holder_gives_the_waiter_an_error(tmp_path):
     script = tmp_path / "dead.py"
     script.write_text(SCRIPT)
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": "2",
         "GOSSAMER_TIMEOUT": "10",
     }

@@ -13,13 +13,14 @@ name the killed rank.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+
+from gossamer.testing import free_port
 
 TIMEOUT_S = 20
 SCRIPT = textwrap.dedent(r"""
@@ -120,12 +121,6 @@ _NAMES = list(POINTS)
 BATCHES = [_NAMES[0:3], _NAMES[3:6], _NAMES[6:9], _NAMES[9:]]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(extra):
     return {**os.environ, **extra, "GOSSAMER_TIMEOUT": str(TIMEOUT_S), "PYTHONUNBUFFERED": "1"}
 
@@ -137,7 +132,7 @@ def _start(point, tmp_path, script):
     env = {
         **_env(extra),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world),
     }
     procs = [

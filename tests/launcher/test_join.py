@@ -7,7 +7,6 @@ resumes the 2-rank checkpoint on 4 ranks, every rank from the mean of the saved 
 """
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,8 @@ import time
 
 import pytest
 import torch
+
+from gossamer.testing import free_port
 
 JOB = textwrap.dedent(r"""
     import os, time, torch
@@ -47,16 +48,10 @@ JOB = textwrap.dedent(r"""
 """)
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.timeout(300)
 def test_a_joining_machine_restarts_the_job_on_more_ranks_from_the_average(tmp_path):
     (tmp_path / "job.py").write_text(JOB)
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -152,7 +147,7 @@ def test_a_machine_whose_ranks_all_died_does_not_hold_the_others_at_exit(tmp_pat
     # torchrun's agents meet at an exit barrier only on success; the machine that lost its
     # ranks meets the others there too, so neither waits out the barrier's 300 s.
     (tmp_path / "job.py").write_text(SURVIVE)
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "gossamer.launcher", "run", "--elastic", "--nnodes", "2",
            "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-id", f"survive{port}", "job.py"]  # fmt: skip
