@@ -219,7 +219,7 @@ def _dither_codes(x, first, last, lo, norm, k1, k2, levels, codes):
     # As NaturalDithering._codes: a uniform 23-bit draw added to the mantissa of
     # r = |x_i| / ||x_B|| (of r + 2^(1 - s) below the smallest level) carries into the
     # exponent with the chance of rounding up. r's bits are read in a register: read
-    # back through a scratch array, they made this encode 1.4-1.8x slower.
+    # back through a scratch array, they made this encode about 1.8x slower.
     tiny = np.float32(2.0 ** (1 - levels))
     scale = norm if norm > 0 else np.float32(1.0)
     low, top = int32(levels - 127), int32(levels)  # exponent e means level e - 127 + s
