@@ -244,7 +244,8 @@ def _receive(
     buffers = context.runtime().component("transport.buffers", Buffers)
     flats, works, fresh = {}, [], {}
     for s, n in sizes.items():
-        left = _UNCLAIMED.pop(_unclaimed_key(group, s, n, device), None)
+        # Almost always empty: the key's routing is then not worked out on every call.
+        left = _UNCLAIMED.pop(_unclaimed_key(group, s, n, device), None) if _UNCLAIMED else None
         if left is not None:
             flats[s], adopted = left
             works += adopted
