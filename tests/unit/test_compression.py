@@ -133,10 +133,10 @@ def test_a_cuda_payload_decodes_on_the_host_as_the_host_would_encode(compressor,
 
 
 def test_threads_encoding_at_once_get_their_own_temporaries():
-    # uint8 keeps its block temporaries per thread; two threads interleaving must not
-    # see each other's.
+    # uint8 keeps its block temporaries per thread (float64: float32 takes the kernel,
+    # which has none); two threads interleaving must not see each other's.
     compressor = MinMaxUInt8(chunks=3)
-    inputs = [_tensor((3 * (1 << 19) + 5,), torch.float32, seed=s) for s in range(4)]
+    inputs = [_tensor((3 * (1 << 19) + 5,), torch.float64, seed=s) for s in range(4)]
     expected = [compressor.compress(x).buffer for x in inputs]
     with ThreadPoolExecutor(4) as pool:
         for _ in range(3):

@@ -69,9 +69,10 @@ BAGUA_INPUTS = {
 @pytest.mark.parametrize("make", BAGUA_INPUTS.values(), ids=BAGUA_INPUTS.keys())
 @pytest.mark.parametrize("chunks", [1, 3, 8], ids=lambda c: f"chunks{c}")
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("numel", [1003, 2**20 + 7])  # the second: CPU blocks, long loops
 @pytest.mark.parametrize("device", DEVICES)
-def test_minmax_uint8_is_bit_exact_with_bagua(make, chunks, dtype, device):
-    x = make(1003).astype(dtype)
+def test_minmax_uint8_is_bit_exact_with_bagua(make, chunks, dtype, numel, device):
+    x = make(numel).astype(dtype)
     headers, codes, decoded = bagua_minmax_uint8(x, chunks)
     compressor = MinMaxUInt8(chunks)
     tensor = torch.from_numpy(x).to(device)

@@ -1,4 +1,4 @@
-"""Fused CPU kernels (numba) of the quantizers and of top-k's search: one pass, in cache.
+"""Fused CPU kernels (numba): the quantizers, MinMaxUInt8, top-k's search; one pass, in cache.
 
 The torch formulation in :mod:`gossamer.compression.quantization` runs one pass over a block
 per operation (draws, scaling, rounding, clamping, bit packing): about ten passes and 40-70
@@ -10,6 +10,11 @@ in one loop that LLVM vectorises, with the draws computed in place from a counte
 The kernels take numpy arrays (views of the torch tensors, no copy) and write into
 preallocated outputs. They are compiled on first use and cached on disk, and importing this
 module imports numba: the quantizers import it only when they first compress on CPU.
+
+Hot loops run from 0 over views (``x[first:last]``), not from ``first``: numba tests a
+signed index for wrap-around unless it can tell it is never negative, and that test keeps
+LLVM from vectorising the loop. Measured on MinMaxUInt8's encode of 5.26 M floats, one
+thread: 4.9 ms with the test, 2.8 ms without.
 
 Every kernel draws word ``i`` of a call as ``word(i, k1, k2)``: the same numbers as
 :func:`gossamer.compression._random.hashed_words`, which is the reference the tests compare
@@ -26,6 +31,8 @@ from numba import int32, uint32
 
 __all__ = [
     "at_least",
+    "minmax_decode",
+    "minmax_encode",
     "natural_decode",
     "natural_encode",
     "norm_decode",
@@ -178,10 +185,10 @@ def _unpack(packed, start, bits, count, codes):
 
 
 @numba.njit(fastmath=True)
-def _sum_of_squares(x, first, last):
+def _sum_of_squares(x):
     # Reassociated (fastmath) so that it vectorises: the sum is not the codes' reference.
     total = np.float32(0.0)
-    for i in range(first, last):
+    for i in range(x.shape[0]):
         total += x[i] * x[i]
     return total
 
@@ -201,21 +208,23 @@ def norm_encode(x, k1, k2, levels, width, bits, dithering, norms, packed, codes)
         hi = min(n, lo + block)
         for b in range(lo // width, (hi + width - 1) // width):
             first, last = b * width, min(n, b * width + width)
-            norm = np.float32(math.sqrt(_sum_of_squares(x, first, last)))
+            xs, cs = x[first:last], codes[first - lo : last - lo]
+            norm = np.float32(math.sqrt(_sum_of_squares(xs)))
             norms[b] = norm
             if dithering:
-                _dither_codes(x, first, last, lo, norm, k1, k2, levels, codes)
+                _dither_codes(xs, first, norm, k1, k2, levels, cs)
             else:
                 f = s / norm if norm > 0 else np.float32(0.0)
-                for i in range(first, last):
-                    u = s + np.float32(word(i, k1, k2) & uint32(0xFFFFFF)) * np.float32(2.0**-24)
-                    t = min(max(u + x[i] * f, np.float32(0.0)), np.float32(2 * levels))
-                    codes[i - lo] = np.uint8(np.int32(t))
+                for j in range(xs.shape[0]):
+                    w = word(first + j, k1, k2)
+                    u = s + np.float32(w & uint32(0xFFFFFF)) * np.float32(2.0**-24)
+                    t = min(max(u + xs[j] * f, np.float32(0.0)), np.float32(2 * levels))
+                    cs[j] = np.uint8(np.int32(t))
         _pack(codes, hi - lo, bits, packed, lo * bits // 8)
 
 
 @numba.njit(inline="always")
-def _dither_codes(x, first, last, lo, norm, k1, k2, levels, codes):
+def _dither_codes(x, first, norm, k1, k2, levels, codes):
     # As NaturalDithering._codes: a uniform 23-bit draw added to the mantissa of
     # r = |x_i| / ||x_B|| (of r + 2^(1 - s) below the smallest level) carries into the
     # exponent with the chance of rounding up. r's bits are read in a register: read
@@ -223,13 +232,13 @@ def _dither_codes(x, first, last, lo, norm, k1, k2, levels, codes):
     tiny = np.float32(2.0 ** (1 - levels))
     scale = norm if norm > 0 else np.float32(1.0)
     low, top = int32(levels - 127), int32(levels)  # exponent e means level e - 127 + s
-    for i in range(first, last):
-        v = abs(x[i]) / scale
+    for j in range(x.shape[0]):
+        v = abs(x[j]) / scale
         up = v >= tiny
         r = np.float32(v if up else v + tiny).view(np.int32)
-        e = int32(int32(r + int32(word(i, k1, k2) & uint32(_MANTISSA))) >> 23)
+        e = int32(int32(r + int32(word(first + j, k1, k2) & uint32(_MANTISSA))) >> 23)
         k = min(max(int32(e + low - int32(not up)), int32(0)), top)
-        codes[i - lo] = np.uint8(int32(top - k) if x[i] < 0 else int32(top + k))
+        codes[j] = np.uint8(int32(top - k) if x[j] < 0 else int32(top + k))
 
 
 @_jit
@@ -245,12 +254,13 @@ def norm_decode(packed, norms, values, width, bits, out, codes, add):
         for b in range(lo // width, (hi + width - 1) // width):
             norm = norms[b]
             first, last = b * width, min(n, b * width + width)
+            dst, cs = out[first:last], codes[first - lo : last - lo]
             if add:
-                for i in range(first, last):
-                    out[i] += values[codes[i - lo]] * norm
+                for j in range(dst.shape[0]):
+                    dst[j] += values[cs[j]] * norm
             else:
-                for i in range(first, last):
-                    out[i] = values[codes[i - lo]] * norm
+                for j in range(dst.shape[0]):
+                    dst[j] = values[cs[j]] * norm
 
 
 @_jit
@@ -268,8 +278,9 @@ def natural_encode(x, k1, k2, magnitudes, signs, codes):
     block = codes.shape[0]
     for lo in range(0, n, block):
         hi = min(n, lo + block)
-        for i in range(lo, hi):
-            codes[i - lo] = np.uint8((bits[i] >> 31) & 1)
+        part = bits[lo:hi]
+        for j in range(part.shape[0]):
+            codes[j] = np.uint8((part[j] >> 31) & 1)
         _pack(codes, hi - lo, 1, signs, lo // 8)
 
 
@@ -285,14 +296,63 @@ def natural_decode(magnitudes, signs, out, codes, decoded, add):
     for lo in range(0, n, block):
         hi = min(n, lo + block)
         _unpack(signs, lo // 8, 1, hi - lo, codes)
-        for i in range(lo, hi):
-            bits[i - lo] = (np.int32(magnitudes[i]) << 23) | (np.int32(codes[i - lo]) << 31)
+        ms, dst = magnitudes[lo:hi], out[lo:hi]
+        for j in range(dst.shape[0]):
+            bits[j] = (np.int32(ms[j]) << 23) | (np.int32(codes[j]) << 31)
         if add:
-            for i in range(lo, hi):
-                out[i] += decoded[i - lo]
+            for j in range(dst.shape[0]):
+                dst[j] += decoded[j]
         else:
-            for i in range(lo, hi):
-                out[i] = decoded[i - lo]
+            for j in range(dst.shape[0]):
+                dst[j] = decoded[j]
+
+
+@numba.njit(inline="always")
+def _minmax_codes(x, s, low, codes, target, add):
+    zero, top = np.float32(0.0), np.float32(255.0)
+    if add:
+        for i in range(x.shape[0]):
+            t = min(max(np.rint(x[i] * s) - low, zero), top)
+            codes[i] = np.uint8(int32(t))
+            target[i] += (t + low) / s
+    else:
+        for i in range(x.shape[0]):
+            t = min(max(np.rint(x[i] * s) - low, zero), top)
+            codes[i] = np.uint8(int32(t))
+
+
+@_jit
+def minmax_encode(x, length, scale, lower, codes, target, add):
+    """Encode float32 ``x`` as MinMaxUInt8 codes: ``sat_uint8(rint(x_i * s_c) - lower_c)``.
+
+    Chunk ``c`` is ``x[c * length : (c + 1) * length]``, with ``s_c = scale[c]``. ``add``:
+    also add each decoded value ``(code + lower_c) / s_c`` to ``target`` (CHOCO's
+    ``compress_add_``), the same float32 operations as :func:`minmax_decode`.
+    """
+    for c in range(scale.shape[0]):
+        part = slice(c * length, (c + 1) * length)
+        _minmax_codes(x[part], scale[c], lower[c], codes[part], target[part], add)
+
+
+@numba.njit(inline="always")
+def _minmax_values(codes, s, low, out, add):
+    if add:
+        for i in range(out.shape[0]):
+            out[i] += (np.float32(codes[i]) + low) / s
+    else:
+        for i in range(out.shape[0]):
+            out[i] = (np.float32(codes[i]) + low) / s
+
+
+@_jit
+def minmax_decode(codes, length, scale, lower, out, add):
+    """Invert :func:`minmax_encode` into float32 ``out``: ``(code + lower_c) / s_c``.
+
+    ``add``: add into ``out`` instead of overwriting it.
+    """
+    for c in range(scale.shape[0]):
+        part = slice(c * length, (c + 1) * length)
+        _minmax_values(codes[part], scale[c], lower[c], out[part], add)
 
 
 @_jit

@@ -9,7 +9,14 @@ from typing import ClassVar
 
 import torch
 
-from gossamer.compression._common import CPU_BLOCK, Reader, check_int, compute_dtype, scratch
+from gossamer.compression._common import (
+    CPU_BLOCK,
+    Reader,
+    check_int,
+    compute_dtype,
+    kernels,
+    scratch,
+)
 from gossamer.compression.base import Compressor
 
 __all__ = ["MinMaxUInt8"]
@@ -89,6 +96,18 @@ class MinMaxUInt8(Compressor):
         buffer[:hsize].view(flat.dtype).copy_(header.view(-1))
         scale, lower = _scale_lower(header, cdt)
         codes, row = buffer[hsize:], 0
+        if _fused(flat):
+            add = add_to is not None
+            kernels().minmax_encode(
+                flat.detach().numpy(),
+                self._layout(flat.numel())[0],
+                scale.view(-1).numpy(),
+                lower.view(-1).numpy(),
+                codes.numpy(),
+                (add_to if add else flat).detach().numpy(),
+                add,
+            )
+            return buffer
         targets = self._parts(add_to) if add_to is not None else [None] * len(parts)
         for part, target in zip(parts, targets, strict=True):
             rows, cols = part.shape
@@ -119,6 +138,11 @@ class MinMaxUInt8(Compressor):
         header = reader.take(2 * (full + (tail > 0)), out.dtype).view(-1, 2)
         scale, lower = _scale_lower(header, cdt)
         codes, row = reader.rest(), 0
+        if _fused(out):
+            length = self._layout(out.numel())[0]
+            numpy = (scale.view(-1).numpy(), lower.view(-1).numpy())
+            kernels().minmax_decode(codes.numpy(), length, *numpy, out.detach().numpy(), add)
+            return
         for part, codes_part in zip(self._parts(out), self._parts(codes), strict=True):
             rows = part.shape[0]
             sl = slice(row, row + rows)
@@ -131,6 +155,15 @@ class MinMaxUInt8(Compressor):
         if flat.dtype != compute_dtype(flat.dtype):
             return super()._encode_add(flat, target)
         return self._encode(flat, target)
+
+
+def _fused(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` takes the fused CPU kernels (:mod:`._kernels`): float32 on CPU.
+
+    One pass per element instead of torch's six (multiply, round, subtract, clamp, two
+    casts), each over a cache-sized block.
+    """
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32
 
 
 def _min_max(part: torch.Tensor) -> torch.Tensor:
