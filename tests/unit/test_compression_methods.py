@@ -394,19 +394,30 @@ def test_sign_is_scaled_by_the_mean_magnitude(device):
     torch.testing.assert_close(y, torch.where(x < 0, -scale, scale))
 
 
-@pytest.mark.parametrize("bucket", [1, 7, 512, 2000])
+@pytest.mark.parametrize("bucket", [0, 1, 7, 512, 2000])
+@pytest.mark.parametrize("numel", [1001, 2**17 + 3])  # the second: the kernel's blocks (float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("device", DEVICES)
-def test_sign_with_buckets_scales_each_run_by_its_mean_magnitude(bucket, device):
-    x = _randn(1001, 17, torch.float64) * torch.linspace(0.01, 10, 1001, dtype=torch.float64)
-    x = x.to(device)
+def test_sign_with_buckets_scales_each_run_by_its_mean_magnitude(bucket, numel, dtype, device):
+    x = _randn(numel, 17, torch.float64) * torch.linspace(0.01, 10, numel, dtype=torch.float64)
+    x = x.to(device, dtype)
     c = Sign(bucket=bucket)
     payload = c.compress(x)
-    runs = -(-1001 // bucket)
-    assert payload.nbytes == c.payload_nbytes(1001, torch.float64) == 8 * runs + 126
-    scales = torch.cat([x[i : i + bucket].abs().mean().reshape(1) for i in range(0, 1001, bucket)])
-    scale = scales.repeat_interleave(bucket)[:1001]
-    torch.testing.assert_close(c.decompress(payload), torch.where(x < 0, -scale, scale))
-    assert get_compressor(c.name) == c and c.name == f"sign:bucket={bucket}"
+    width = bucket or numel
+    runs = -(-numel // width)
+    assert (
+        payload.nbytes == c.payload_nbytes(numel, dtype) == dtype.itemsize * runs + -(-numel // 8)
+    )
+    x64 = x.double()
+    scales = torch.cat([x64[i : i + width].abs().mean().reshape(1) for i in range(0, numel, width)])
+    scale = scales.repeat_interleave(width)[:numel].to(dtype)
+    expected = torch.where(x < 0, -scale, scale)
+    torch.testing.assert_close(c.decompress(payload), expected)
+    target = torch.ones_like(x)
+    torch.testing.assert_close(c.decompress_add_(payload, target), expected + 1)
+    assert get_compressor(c.name) == c and c.name == (
+        "sign" if bucket == 0 else f"sign:bucket={bucket}"
+    )
     with pytest.raises(ValueError, match="bucket"):
         Sign(bucket=-1)
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
 import torch
 
 __all__ = [
     "CPU_BLOCK",
+    "KERNEL_BLOCK",
+    "FusedAdd",
     "Reader",
     "block_slices",
     "check_int",
@@ -17,6 +20,8 @@ __all__ = [
     "format_value",
     "join",
     "kept",
+    "block_multiple",
+    "kernel_scratch",
     "kernels",
     "scratch",
 ]
@@ -55,6 +60,36 @@ def kernels():
     import gossamer.compression._kernels as loaded
 
     return loaded
+
+
+KERNEL_BLOCK = 1 << 16  # elements a fused kernel codes and packs at a time (in cache)
+
+
+def kernel_scratch(multiple: int, dtype: torch.dtype, slot: str) -> np.ndarray:
+    """A kept temporary of about :data:`KERNEL_BLOCK` elements (a multiple of ``multiple``)."""
+    size = max(multiple, KERNEL_BLOCK // multiple * multiple)
+    return scratch(size, dtype, torch.device("cpu"), f"kernel.{slot}").numpy()
+
+
+def block_multiple(width: int, numel: int) -> int:
+    """What a kernel block's size must be a multiple of: whole buckets and whole bytes.
+
+    At most ``numel`` rounded up to 8 (one block then holds everything): ``lcm(width, 8)``
+    alone would ask 8x the tensor for one large bucket of odd width.
+    """
+    return min(math.lcm(width, 8), -(-numel // 8) * 8)
+
+
+class FusedAdd:
+    """``decompress_add_`` by the fused CPU kernel (``_kernel_decode``) where it applies."""
+
+    def _decode_add(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
+    ) -> None:
+        if buffer.device.type == "cpu" and dtype == torch.float32 and target.is_contiguous():
+            self._kernel_decode(buffer, numel, target, add=True)
+        else:
+            super()._decode_add(buffer, numel, dtype, target)
 
 
 def block_slices(numel: int, device: torch.device, multiple: int = 8) -> list[slice]:

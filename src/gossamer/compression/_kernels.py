@@ -37,6 +37,8 @@ __all__ = [
     "natural_encode",
     "norm_decode",
     "norm_encode",
+    "sign_decode",
+    "sign_encode",
 ]
 
 _C1 = np.uint32(0x7FEB352D)
@@ -370,6 +372,41 @@ def minmax_decode(codes, length, scale, lower, out, add):
     for c in range(scale.shape[0]):
         part = slice(c * length, (c + 1) * length)
         _minmax_values(codes[part], scale[c], lower[c], out[part], add)
+
+
+@_jit
+def sign_encode(x, signs, codes):
+    """Pack the sign bits ``x_i < 0`` of float32 ``x`` into ``signs``, as ``pack_bits``."""
+    n, block = x.shape[0], codes.shape[0]
+    for lo in range(0, n, block):
+        part = x[lo : lo + block]
+        for j in range(part.shape[0]):
+            codes[j] = np.uint8(part[j] < np.float32(0.0))
+        _pack(codes, part.shape[0], 1, signs, lo // 8)
+
+
+@_jit
+def sign_decode(signs, scales, bucket, out, codes, add):
+    """Invert :func:`sign_encode` into float32 ``out``: ``-s`` where the bit is set, else ``s``.
+
+    ``s = scales[i // bucket]`` (``bucket`` 0: ``scales[0]``); ``codes`` is a scratch of a
+    multiple of ``max(bucket, 8)`` elements. ``add``: add into ``out``.
+    """
+    n, block = out.shape[0], codes.shape[0]
+    width = bucket if bucket > 0 else n
+    for lo in range(0, n, block):
+        hi = min(n, lo + block)
+        _unpack(signs, lo // 8, 1, hi - lo, codes)
+        for first in range(lo, hi, width):
+            last = min(hi, first + width)
+            s = scales[first // width]
+            dst, cs = out[first:last], codes[first - lo : last - lo]
+            if add:
+                for j in range(dst.shape[0]):
+                    dst[j] += -s if cs[j] else s
+            else:
+                for j in range(dst.shape[0]):
+                    dst[j] = -s if cs[j] else s
 
 
 @_jit

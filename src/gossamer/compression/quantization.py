@@ -11,10 +11,13 @@ from typing import ClassVar
 import torch
 
 from gossamer.compression._common import (
+    FusedAdd,
     Reader,
+    block_multiple,
     block_slices,
     check_int,
     compute_dtype,
+    kernel_scratch,
     kernels,
     scratch,
 )
@@ -24,38 +27,10 @@ from gossamer.compression.packing import pack_bits, packed_nbytes, unpack_bits
 __all__ = ["QSGD", "Natural", "NaturalDithering"]
 
 _MAX_LEVELS = 127  # codes in [0, 2 * levels] then fit in one byte
-_KERNEL_BLOCK = 1 << 16  # elements a fused kernel codes and packs at a time (in cache)
-
-
-def _kernel_scratch(multiple: int, dtype: torch.dtype, slot: str):
-    """A kept temporary of about :data:`_KERNEL_BLOCK` elements (a multiple of ``multiple``)."""
-    size = max(multiple, _KERNEL_BLOCK // multiple * multiple)
-    return scratch(size, dtype, torch.device("cpu"), f"quantization.kernel.{slot}").numpy()
-
-
-def _block_multiple(width: int, numel: int) -> int:
-    """What a kernel block's size must be a multiple of: whole buckets and whole bytes.
-
-    At most ``numel`` rounded up to 8 (one block then holds everything): ``lcm(width, 8)``
-    alone would ask 8x the tensor for one large bucket of odd width.
-    """
-    return min(math.lcm(width, 8), -(-numel // 8) * 8)
-
-
-class _FusedAdd:
-    """``decompress_add_`` by the fused CPU kernel (``_kernel_decode``) where it applies."""
-
-    def _decode_add(
-        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
-    ) -> None:
-        if buffer.device.type == "cpu" and dtype == torch.float32 and target.is_contiguous():
-            self._kernel_decode(buffer, numel, target, add=True)
-        else:
-            super()._decode_add(buffer, numel, dtype, target)
 
 
 @dataclass(frozen=True, repr=False)
-class _NormQuantizer(_FusedAdd, Seeded):
+class _NormQuantizer(FusedAdd, Seeded):
     """Sign, plus a level of ``|x_i| / ||x_B||_2`` rounded stochastically between two levels.
 
     ``x_B`` is the bucket of ``bucket`` consecutive elements holding ``x_i``. Payload: the
@@ -111,7 +86,7 @@ class _NormQuantizer(_FusedAdd, Seeded):
         norms_out, codes_out = buffer[:head].view(cdt), buffer[head:]
         step = self._next_step()
         if _fused(flat, flat.dtype):
-            multiple = _block_multiple(width, numel)
+            multiple = block_multiple(width, numel)
             kernels().norm_encode(
                 flat.detach().to(torch.float32).contiguous().numpy(),
                 *stream_keys(self.seed, step),
@@ -121,7 +96,7 @@ class _NormQuantizer(_FusedAdd, Seeded):
                 self._dithering,
                 norms_out.numpy(),
                 codes_out.numpy(),
-                _kernel_scratch(multiple, torch.uint8, "codes"),
+                kernel_scratch(multiple, torch.uint8, "codes"),
             )
             return buffer
         words = RandomWords(self.seed, step, flat.device)
@@ -174,7 +149,7 @@ class _NormQuantizer(_FusedAdd, Seeded):
             width,
             self.bits,
             out.detach().numpy(),
-            _kernel_scratch(_block_multiple(width, numel), torch.uint8, "codes"),
+            kernel_scratch(block_multiple(width, numel), torch.uint8, "codes"),
             add,
         )
 
@@ -297,7 +272,7 @@ def _dithering_table(levels: int, dtype: torch.dtype, device: torch.device) -> t
 
 
 @dataclass(frozen=True, repr=False)
-class Natural(_FusedAdd, Seeded):
+class Natural(FusedAdd, Seeded):
     """Natural compression (Horvath et al. 2019): round ``|x_i|`` to a neighbouring power of two.
 
     ``|x_i|`` in ``[2^e, 2^(e+1))`` becomes ``2^(e+1)`` with probability
@@ -334,7 +309,7 @@ class Natural(_FusedAdd, Seeded):
                 *stream_keys(self.seed, step),
                 buffer[:numel].numpy(),
                 buffer[numel:].numpy(),
-                _kernel_scratch(8, torch.uint8, "codes"),
+                kernel_scratch(8, torch.uint8, "codes"),
             )
             return buffer
         words = RandomWords(self.seed, step, flat.device)
@@ -379,7 +354,7 @@ class Natural(_FusedAdd, Seeded):
             buffer[:numel].numpy(),
             buffer[numel:].numpy(),
             out.detach().numpy(),
-            _kernel_scratch(8, torch.uint8, "codes"),
-            _kernel_scratch(8, torch.float32, "r"),
+            kernel_scratch(8, torch.uint8, "codes"),
+            kernel_scratch(8, torch.float32, "r"),
             add,
         )

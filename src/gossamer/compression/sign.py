@@ -7,7 +7,17 @@ from typing import ClassVar
 
 import torch
 
-from gossamer.compression._common import Reader, block_slices, check_int, compute_dtype, join
+from gossamer.compression._common import (
+    FusedAdd,
+    Reader,
+    block_multiple,
+    block_slices,
+    check_int,
+    compute_dtype,
+    join,
+    kernel_scratch,
+    kernels,
+)
 from gossamer.compression.base import Compressor
 from gossamer.compression.packing import pack_bits, packed_nbytes, unpack_bits
 
@@ -15,7 +25,7 @@ __all__ = ["Sign"]
 
 
 @dataclass(frozen=True, repr=False)
-class Sign(Compressor):
+class Sign(FusedAdd, Compressor):
     """Scaled sign (EF-signSGD, Karimireddy et al., ICML 2019): ``C(x) = (||x||_1 / d) sign(x)``.
 
     For ``d`` elements every entry becomes ``+s`` or ``-s`` with ``s = ||x||_1 / d``, the
@@ -64,12 +74,21 @@ class Sign(Compressor):
         numel, cdt = flat.numel(), compute_dtype(flat.dtype)
         scale = self._bucket_scales(flat, cdt)
         signs = torch.empty(packed_nbytes(numel, 1), dtype=torch.uint8, device=flat.device)
+        if _fused(flat.device, flat.dtype):
+            kernels().sign_encode(
+                flat.detach().numpy(), signs.numpy(), kernel_scratch(8, torch.uint8, "codes")
+            )
+            return join(scale, signs)
         for block in block_slices(numel, flat.device):
             packed = pack_bits(flat[block] < 0, 1)
             signs[block.start // 8 : block.start // 8 + packed.numel()] = packed
         return join(scale, signs)
 
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if _fused(buffer.device, dtype):
+            out = torch.empty(numel)
+            self._kernel_decode(buffer, numel, out, add=False)
+            return out
         reader = Reader(buffer)
         scales = reader.take(self._scales(numel), compute_dtype(dtype)).to(dtype)
         signs = reader.rest()
@@ -85,3 +104,21 @@ class Sign(Compressor):
             ones = negative.view(torch.int8).mul_(-2).add_(1)
             torch.mul(ones, scale, out=out[block])
         return out
+
+    def _kernel_decode(self, buffer: torch.Tensor, numel: int, out: torch.Tensor, add: bool):
+        """Decode (or with ``add``, add) a float32 payload into float32 ``out`` on CPU."""
+        reader = Reader(buffer)
+        scales = reader.take(self._scales(numel), torch.float32)
+        kernels().sign_decode(
+            reader.rest().numpy(),
+            scales.numpy(),
+            self.bucket,
+            out.detach().numpy(),
+            kernel_scratch(block_multiple(max(self.bucket, 1), numel), torch.uint8, "codes"),
+            add,
+        )
+
+
+def _fused(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether float32 on ``device`` takes the fused CPU kernels (:mod:`._kernels`)."""
+    return device.type == "cpu" and dtype == torch.float32
