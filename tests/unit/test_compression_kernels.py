@@ -152,9 +152,10 @@ def test_top_k_candidates_are_every_entry_at_or_above_the_threshold(dtype, room)
     x = _x(100_003, 4).to(dtype)
     x[[5, 77, 100_000]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
     threshold = x[1234].abs()  # an entry equal to it counts
-    found = _at_least(x, threshold, room)
+    found, values = _at_least(x, threshold, room)
     magnitude = np.abs(x.numpy())
     assert np.array_equal(found.numpy(), np.flatnonzero(magnitude >= threshold.item()))
+    assert torch.equal(values, x[found])
     assert 5 not in found.tolist() and {77, 100_000, 1234} <= set(found.tolist())
 
 

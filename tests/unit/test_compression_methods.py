@@ -364,9 +364,10 @@ def test_cyclic_randomk_is_uniform_over_seeds():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_stc_matches_its_definition(device):
-    x = _randn(10_000, 14, device=device)
-    k = 100
+@pytest.mark.parametrize("numel", [10_000, 600_001])  # the second: the sampled threshold
+def test_stc_matches_its_definition(device, numel):
+    x = _randn(numel, 14, device=device)
+    k = math.ceil(0.01 * numel)
     y = STC(0.01).decompress(STC(0.01).compress(x))
     top = torch.argsort(x.abs(), descending=True)[:k]
     mu = x[top].abs().mean()

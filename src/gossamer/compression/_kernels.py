@@ -410,16 +410,18 @@ def sign_decode(signs, scales, bucket, out, codes, add):
 
 
 @_jit
-def at_least(x, threshold, out):
-    """Write the indices of ``|x_i| >= threshold`` into ``out`` in order; return their count.
+def at_least(x, threshold, out, values):
+    """Write the indices of ``|x_i| >= threshold`` in order into ``out``, ``x_i`` into ``values``.
 
-    One pass over ``x``. A count above ``len(out)`` means ``out`` holds only the first
-    ``len(out)``. NaNs never pass.
+    Returns their count: above ``len(out)``, ``out`` holds only the first ``len(out)``. One
+    pass over ``x``; NaNs never pass. (Testing runs of 16 or 64 at once before reading
+    them one by one was slower here: 3.3-4.8 against 2.8 ms for 5.26 M floats at 1 %.)
     """
     count = 0
     for i in range(x.shape[0]):
         if abs(x[i]) >= threshold:
             if count < out.shape[0]:
                 out[count] = i
+                values[count] = x[i]
             count += 1
     return count
