@@ -11,5 +11,15 @@ if [ ! -f "$stamp" ]; then
   # torch is pinned to 2.13.0; the machines' local wheel is the CPU build.
   .venv/bin/python -m pip install --quiet -e ".[dev]" 2>&1 | grep -v '^WARNING: Location' || true
   .venv/bin/python -c "import gossamer, torch; print('gossamer', gossamer.__version__, 'torch', torch.__version__)"
+  # Compile the compressors' CPU kernels once (numba caches them beside the source), so that
+  # the first job does not compile them in each of its ranks at once.
+  .venv/bin/python -c "
+import torch
+from gossamer.compression import get_compressor
+x = torch.randn(600_000)
+for spec in ('uint8', 'qsgd:16', 'natural', 'natural_dithering:8', 'topk:0.01', 'sign'):
+    c = get_compressor(spec)
+    c.decompress_add_(c.compress(x), x.clone())
+"
   rm -f .venv/.installed-* && touch "$stamp"
 fi
