@@ -24,6 +24,7 @@ __all__ = [
     "kernel_scratch",
     "kernels",
     "scratch",
+    "takes_kernels",
 ]
 
 
@@ -80,13 +81,18 @@ def block_multiple(width: int, numel: int) -> int:
     return min(math.lcm(width, 8), -(-numel // 8) * 8)
 
 
+def takes_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` data on ``device`` takes the fused CPU kernels: float32 on CPU."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
 class FusedAdd:
     """``decompress_add_`` by the fused CPU kernel (``_kernel_decode``) where it applies."""
 
     def _decode_add(
         self, buffer: torch.Tensor, numel: int, dtype: torch.dtype, target: torch.Tensor
     ) -> None:
-        if buffer.device.type == "cpu" and dtype == torch.float32 and target.is_contiguous():
+        if takes_kernels(buffer.device, dtype) and target.is_contiguous():
             self._kernel_decode(buffer, numel, target, add=True)
         else:
             super()._decode_add(buffer, numel, dtype, target)

@@ -16,6 +16,7 @@ from gossamer.compression._common import (
     compute_dtype,
     kernels,
     scratch,
+    takes_kernels,
 )
 from gossamer.compression.base import Compressor
 
@@ -96,7 +97,7 @@ class MinMaxUInt8(Compressor):
         buffer[:hsize].view(flat.dtype).copy_(header.view(-1))
         scale, lower = _scale_lower(header, cdt)
         codes, row = buffer[hsize:], 0
-        if _fused(flat):
+        if takes_kernels(flat.device, flat.dtype):  # one pass, not torch's six per block
             add = add_to is not None
             kernels().minmax_encode(
                 flat.detach().numpy(),
@@ -138,10 +139,10 @@ class MinMaxUInt8(Compressor):
         header = reader.take(2 * (full + (tail > 0)), out.dtype).view(-1, 2)
         scale, lower = _scale_lower(header, cdt)
         codes, row = reader.rest(), 0
-        if _fused(out):
+        if takes_kernels(out.device, out.dtype):
             length = self._layout(out.numel())[0]
-            numpy = (scale.view(-1).numpy(), lower.view(-1).numpy())
-            kernels().minmax_decode(codes.numpy(), length, *numpy, out.detach().numpy(), add)
+            columns = (scale.view(-1).numpy(), lower.view(-1).numpy())
+            kernels().minmax_decode(codes.numpy(), length, *columns, out.detach().numpy(), add)
             return
         for part, codes_part in zip(self._parts(out), self._parts(codes), strict=True):
             rows = part.shape[0]
@@ -155,15 +156,6 @@ class MinMaxUInt8(Compressor):
         if flat.dtype != compute_dtype(flat.dtype):
             return super()._encode_add(flat, target)
         return self._encode(flat, target)
-
-
-def _fused(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` takes the fused CPU kernels (:mod:`._kernels`): float32 on CPU.
-
-    One pass per element instead of torch's six (multiply, round, subtract, clamp, two
-    casts), each over a cache-sized block.
-    """
-    return tensor.device.type == "cpu" and tensor.dtype == torch.float32
 
 
 def _min_max(part: torch.Tensor) -> torch.Tensor:

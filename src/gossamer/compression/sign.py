@@ -17,6 +17,7 @@ from gossamer.compression._common import (
     join,
     kernel_scratch,
     kernels,
+    takes_kernels,
 )
 from gossamer.compression.base import Compressor
 from gossamer.compression.packing import pack_bits, packed_nbytes, unpack_bits
@@ -74,7 +75,7 @@ class Sign(FusedAdd, Compressor):
         numel, cdt = flat.numel(), compute_dtype(flat.dtype)
         scale = self._bucket_scales(flat, cdt)
         signs = torch.empty(packed_nbytes(numel, 1), dtype=torch.uint8, device=flat.device)
-        if _fused(flat.device, flat.dtype):
+        if takes_kernels(flat.device, flat.dtype):
             kernels().sign_encode(
                 flat.detach().numpy(), signs.numpy(), kernel_scratch(8, torch.uint8, "codes")
             )
@@ -85,7 +86,7 @@ class Sign(FusedAdd, Compressor):
         return join(scale, signs)
 
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if _fused(buffer.device, dtype):
+        if takes_kernels(buffer.device, dtype):
             out = torch.empty(numel)
             self._kernel_decode(buffer, numel, out, add=False)
             return out
@@ -117,8 +118,3 @@ class Sign(FusedAdd, Compressor):
             kernel_scratch(block_multiple(max(self.bucket, 1), numel), torch.uint8, "codes"),
             add,
         )
-
-
-def _fused(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether float32 on ``device`` takes the fused CPU kernels (:mod:`._kernels`)."""
-    return device.type == "cpu" and dtype == torch.float32

@@ -173,11 +173,12 @@ class _Entries:
 class TopK(_Entries, Compressor):
     """Top-k sparsification: keep the ``k = ceil(ratio * d)`` entries of largest magnitude.
 
-    ``C(x)_i = x_i`` if ``|x_i|`` is among the ``k`` largest, else 0 (ties broken by
-    ``torch.topk``). Biased, a contraction with ``||C(x) - x||^2 <= (1 - k/d) ||x||^2``, and
-    the classical partner of error feedback (Stich et al. 2018, "Sparsified SGD with
-    memory"). Payload: the ``k`` values in the tensor's dtype, then the ``k`` indices
-    bit-packed in ``ceil(log2 d)`` bits each (23 bits for 5 M elements, not 32).
+    ``C(x)_i = x_i`` if ``|x_i|`` is among the ``k`` largest, else 0 (of equal magnitudes
+    at the cut, which are kept is unspecified). Biased, a contraction with
+    ``||C(x) - x||^2 <= (1 - k/d) ||x||^2``, and the classical partner of error feedback
+    (Stich et al. 2018, "Sparsified SGD with memory"). Payload: the ``k`` values in the
+    tensor's dtype, then the ``k`` indices bit-packed in ``ceil(log2 d)`` bits each (23
+    bits for 5 M elements, not 32).
 
     Registry name: ``"topk:<ratio>"``.
 
