@@ -17,7 +17,7 @@ if [ ! -f "$stamp" ]; then
 import torch
 from gossamer.compression import get_compressor
 x = torch.randn(600_000)
-for spec in ('uint8', 'qsgd:16', 'natural', 'natural_dithering:8', 'topk:0.01', 'sign'):
+for spec in ('uint8', 'qsgd:16', 'natural', 'natural_dithering:8', 'topk:0.01', 'stc:0.01', 'sign'):
     c = get_compressor(spec)
     c.decompress_add_(c.compress(x), x.clone())
 "

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gossamer.compression import QSGD, Natural, NaturalDithering
+from gossamer.compression import QSGD, STC, Natural, NaturalDithering
 from gossamer.compression._random import RandomWords, hashed_words, stream_keys
 from gossamer.compression.packing import unpack_bits
 from gossamer.compression.sparsification import _at_least
@@ -162,7 +162,8 @@ def test_top_k_candidates_are_every_entry_at_or_above_the_threshold(dtype, room)
 @pytest.mark.parametrize("numel", [9, 65536 * 2 + 13])
 def test_kernels_add_in_place_what_they_decode(numel):
     x, target = _x(numel, 5), _x(numel, 6)
-    for compressor in (QSGD(16, seed=1, bucket=77), NaturalDithering(8, seed=1), Natural(seed=1)):
+    compressors = (QSGD(16, seed=1, bucket=77), NaturalDithering(8, seed=1), Natural(seed=1))
+    for compressor in (*compressors, STC(0.01)):
         payload = compressor.compress(x)
         expect = target + compressor.decompress(payload)
         assert torch.equal(compressor.decompress_add_(payload, target.clone()), expect)

@@ -364,16 +364,29 @@ def test_cyclic_randomk_is_uniform_over_seeds():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # compiled, torch decode
 @pytest.mark.parametrize("numel", [10_000, 600_001])  # the second: the sampled threshold
-def test_stc_matches_its_definition(device, numel):
-    x = _randn(numel, 14, device=device)
+def test_stc_matches_its_definition(device, dtype, numel):
+    x = _randn(numel, 14, dtype, device)
     k = math.ceil(0.01 * numel)
-    y = STC(0.01).decompress(STC(0.01).compress(x))
+    payload = STC(0.01).compress(x)
+    y = STC(0.01).decompress(payload)
     top = torch.argsort(x.abs(), descending=True)[:k]
     mu = x[top].abs().mean()
     expected = torch.zeros_like(x)
     expected[top] = mu * torch.sign(x[top])
     torch.testing.assert_close(y, expected)
+    target = _randn(numel, 15, dtype, device)
+    torch.testing.assert_close(STC(0.01).decompress_add_(payload, target.clone()), target + y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_stc_rejects_a_position_beyond_the_tensor(dtype):
+    x = torch.zeros(100, dtype=dtype)
+    x[99] = 1.0  # one entry, 99 places in: read as 64 elements, beyond them
+    payload = STC(0.01).compress(x)
+    with pytest.raises(ValueError, match="position 99, beyond the tensor's 64"):
+        STC(0.01).decompress(type(payload)(payload.buffer, (64,), dtype))
 
 
 @pytest.mark.parametrize("numel", [1000, 100_000, 1_000_003], ids=lambda n: f"n{n}")

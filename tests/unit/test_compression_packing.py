@@ -16,6 +16,7 @@ from gossamer.compression import (
     RandomK,
     Sign,
     TopK,
+    packing,
 )
 from gossamer.compression.packing import (
     pack_bits,
@@ -88,23 +89,62 @@ def _rice_reference(values: list[int], b: int) -> tuple[int, int]:
     return len(values) * b, sum((v >> b) + 1 for v in values)
 
 
-@pytest.mark.parametrize("b", [0, 1, 3, 6, 9], ids=lambda b: f"b{b}")
-def test_rice_round_trip_and_length(b):
-    gen = torch.Generator().manual_seed(b)
+def _packed_reference(values: list[int], bits: int) -> bytes:
+    """pack_bits' layout: above 8 bits a plane of the low bytes, then the rest packed."""
+    if bits > 8:
+        return bytes(v & 0xFF for v in values) + _packed_reference(
+            [v >> 8 for v in values], bits - 8
+        )
+    return _bitstream(values, bits) if bits else b""
+
+
+def _unary_reference(values: list[int], b: int) -> bytes:
+    """Each v as v >> b one-bits then a zero, one LSB-first stream."""
+    stream, at = 0, 0
+    for v in values:
+        stream |= ((1 << (v >> b)) - 1) << at
+        at += (v >> b) + 1
+    return stream.to_bytes(packed_nbytes(at, 1), "little")
+
+
+# The compiled coder (CPU) and the torch one (other devices) write the same bytes.
+RICE_CODERS = {
+    "compiled": (rice_encode, rice_decode),
+    "tensors": (packing._rice_encode_by_tensors, packing._rice_decode_by_tensors),
+}
+
+
+@pytest.mark.parametrize("coder", RICE_CODERS)
+@pytest.mark.parametrize("b", [0, 1, 3, 6, 9, 17], ids=lambda b: f"b{b}")
+@pytest.mark.parametrize("count", [0, 1, 504], ids=lambda n: f"n{n}")
+def test_rice_code_is_its_definition_byte_for_byte(coder, b, count):
+    encode, decode = RICE_CODERS[coder]
+    gen = torch.Generator().manual_seed(b * 7 + count)
+    special = torch.tensor([0, 1, 2**b, 5000, 2**b - 1, 255 << b])[:count]
     values = torch.cat(
-        [torch.tensor([0, 1, 2**b, 5000]), torch.randint(0, 300, (500,), generator=gen)]
+        [special, torch.randint(0, 300 << b, (count - special.numel(),), generator=gen)]
     )
-    remainders, unary = rice_encode(values, b)
+    remainders, unary = encode(values, b)
+    mask = (1 << b) - 1
+    assert bytes(remainders.tolist()) == _packed_reference([v & mask for v in values.tolist()], b)
+    assert bytes(unary.tolist()) == _unary_reference(values.tolist(), b)
     remainder_bits, unary_bits = _rice_reference(values.tolist(), b)
     assert remainders.numel() == packed_nbytes(remainder_bits, 1)
     assert unary.numel() == packed_nbytes(unary_bits, 1)
-    assert torch.equal(rice_decode(remainders, unary, b, values.numel()).long(), values)
+    decoded = decode(remainders, unary, b, count)
+    if coder == "tensors":
+        decoded, found = decoded
+        assert found == count
+    assert torch.equal(decoded, values)
 
 
 def test_rice_decode_detects_a_short_stream():
     remainders, unary = rice_encode(torch.tensor([3, 900, 2]), 2)
-    with pytest.raises(ValueError, match="Rice stream holds"):
+    with pytest.raises(ValueError, match="Rice stream holds 1 codes; expected 3"):
         rice_decode(remainders, unary[:10], 2, 3)
+    with pytest.raises(ValueError, match="remainders must hold 1 bytes for 3 values of 2 bits"):
+        rice_decode(remainders[:0], unary, 2, 3)
+    assert packing._rice_decode_by_tensors(remainders, unary[:10], 2, 3)[1] == 1
 
 
 def test_rice_parameter_is_stc_optimal():

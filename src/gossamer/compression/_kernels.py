@@ -428,3 +428,106 @@ def at_least(x, threshold, out, values):
                 values[count] = x[i]
             count += 1
     return count
+
+
+# _TRAILING_ONES[v]: how many one-bits end the byte v (8 for 0xFF).
+_TRAILING_ONES = np.array([(~v & (v + 1)).bit_length() - 1 for v in range(256)], np.int64)
+
+
+@_jit
+def rice_encode(values, b):
+    """Rice-code non-negative int64 ``values`` as :func:`.packing.rice_encode` does.
+
+    Returns ``(remainders, unary)``: ``v & (2^b - 1)`` as ``pack_bits`` at ``b`` bits (above
+    8 bits, a plane of the low bytes first), and ``v >> b`` one-bits then a zero per value,
+    LSB first.
+    """
+    length = values.shape[0]
+    for i in range(values.shape[0]):
+        length += values[i] >> b
+    remainders = np.empty((values.shape[0] * b + 7) // 8, np.uint8)
+    unary = np.zeros((length + 7) // 8, np.uint8)
+    n, shift, offset = values.shape[0], 0, 0
+    while b - shift > 8:
+        for i in range(n):
+            remainders[offset + i] = np.uint8((values[i] >> shift) & 0xFF)
+        offset, shift = offset + n, shift + 8
+    width = b - shift
+    if width > 0:
+        mask = (1 << width) - 1
+        acc, used, j = np.uint64(0), 0, offset
+        for i in range(n):
+            acc |= np.uint64((values[i] >> shift) & mask) << np.uint64(used)
+            used += width
+            if used >= 8:
+                remainders[j] = np.uint8(acc & np.uint64(0xFF))
+                acc, used, j = acc >> np.uint64(8), used - 8, j + 1
+        if used > 0:
+            remainders[j] = np.uint8(acc)
+    bit = 0
+    for i in range(n):
+        q = values[i] >> b
+        while q > 0:  # whole bytes of ones where the run covers them
+            take = min(q, 8 - (bit & 7))
+            unary[bit >> 3] |= np.uint8(((1 << take) - 1) << (bit & 7))
+            bit, q = bit + take, q - take
+        bit += 1
+    return remainders, unary
+
+
+@_jit
+def rice_decode(remainders, unary, b, values):
+    """Invert :func:`rice_encode` into ``values`` (``n`` int64).
+
+    Returns how many codes the unary stream held, at most ``n`` (fewer: it ended first).
+    ``remainders`` holds at least ``packed_nbytes(n, b)`` bytes.
+    """
+    n, bit, total = values.shape[0], 0, unary.shape[0] * 8
+    for i in range(n):
+        q = 0
+        while True:
+            if bit >= total:
+                return i
+            offset = bit & 7
+            ones = min(_TRAILING_ONES[unary[bit >> 3] >> offset], 8 - offset)
+            q, bit = q + ones, bit + ones
+            if offset + ones < 8:
+                bit += 1  # the closing zero
+                break
+        values[i] = q << b
+    shift, offset = 0, 0
+    while b - shift > 8:
+        for i in range(n):
+            values[i] |= np.int64(remainders[offset + i]) << shift
+        offset, shift = offset + n, shift + 8
+    width = b - shift
+    if width > 0:
+        mask = (1 << width) - 1
+        for i in range(n):
+            at = i * width
+            byte, off = offset + (at >> 3), at & 7
+            v = np.int64(remainders[byte]) >> off
+            if off + width > 8:
+                v |= np.int64(remainders[byte + 1]) << (8 - off)
+            values[i] |= (v & mask) << shift
+    return n
+
+
+@_jit
+def stc_decode(gaps, signs, mu, out, add):
+    """Write (``add``: add) ``-mu`` or ``mu`` at positions ``p_i = p_{i-1} + gaps_i + 1``.
+
+    ``p_{-1} = -1``; bit ``i`` of the packed ``signs`` set means ``-mu``. Returns ``False``
+    where a position falls outside ``out`` (a corrupt payload), having written nothing there.
+    """
+    at, last = -1, out.shape[0]
+    for i in range(gaps.shape[0]):
+        at += gaps[i] + 1
+        if at >= last:
+            return False
+        s = -mu if (signs[i >> 3] >> (i & 7)) & 1 else mu
+        if add:
+            out[at] += s
+        else:
+            out[at] = s
+    return True

@@ -2,6 +2,8 @@
 
 Everything here is vectorised: the Python loops run over bit positions or over the 8
 members of a packing group, never over elements, so the same code runs on CPU and CUDA.
+On CPU the Rice code runs as compiled loops (:mod:`._kernels`), which write the same bytes:
+its torch form spreads the unary stream to a byte per bit.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 
 import torch
 
-from gossamer.compression._common import scratch
+from gossamer.compression._common import kernels, scratch
 
 __all__ = [
     "pack_bits",
@@ -185,6 +187,14 @@ def rice_encode(values: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tenso
         the packed unary stream of ``sum(q) + n`` bits.
     """
     values = values.long()
+    if values.device.type == "cpu":
+        remainders, unary = kernels().rice_encode(values.contiguous().numpy(), b)
+        return torch.from_numpy(remainders), torch.from_numpy(unary)
+    return _rice_encode_by_tensors(values, b)
+
+
+def _rice_encode_by_tensors(values: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rice_encode` in torch ops, for any device (the unary stream a byte per bit)."""
     quotients = values >> b
     # The unary stream length is data-dependent: one host sync per call, not per element.
     length = int(quotients.sum()) + values.numel()
@@ -198,20 +208,38 @@ def rice_encode(values: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def rice_decode(remainders: torch.Tensor, unary: torch.Tensor, b: int, count: int) -> torch.Tensor:
-    """Invert :func:`rice_encode` for ``count`` values.
+    """Invert :func:`rice_encode` for ``count`` values (int64).
 
     Raises:
         ValueError: the streams hold fewer than ``count`` codes.
     """
+    need = packed_nbytes(count, b)
+    if remainders.numel() < need:
+        raise ValueError(
+            f"remainders must hold {need} bytes for {count} values of {b} bits; "
+            f"got {remainders.numel()}"
+        )
+    if unary.device.type == "cpu":
+        values = torch.empty(count, dtype=torch.int64)
+        found = kernels().rice_decode(remainders.numpy(), unary.numpy(), b, values.numpy())
+    else:
+        values, found = _rice_decode_by_tensors(remainders, unary, b, count)
+    if found < count:
+        raise ValueError(f"Rice stream holds {found} codes; expected {count}")
+    return values
+
+
+def _rice_decode_by_tensors(
+    remainders: torch.Tensor, unary: torch.Tensor, b: int, count: int
+) -> tuple[torch.Tensor, int]:
+    """:func:`rice_decode` in torch ops: the values, and how many codes the stream held."""
     stream = unpack_bits(unary, 1, unary.numel() * 8)
     ends = torch.nonzero(stream == 0).view(-1)[:count]
-    if ends.numel() < count:
-        raise ValueError(f"Rice stream holds {ends.numel()} codes; expected {count}")
     quotients = torch.diff(ends, prepend=ends.new_tensor([-1])) - 1
     values = quotients << b
-    if b:
+    if b and ends.numel() == count:
         values |= unpack_bits(remainders, b, count)
-    return values
+    return values, ends.numel()
 
 
 def rice_nbytes_bound(count: int, total: int, b: int) -> tuple[int, int]:

@@ -72,18 +72,7 @@ class Sign(FusedAdd, Compressor):
         return sums / counts
 
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
-        numel, cdt = flat.numel(), compute_dtype(flat.dtype)
-        scale = self._bucket_scales(flat, cdt)
-        signs = torch.empty(packed_nbytes(numel, 1), dtype=torch.uint8, device=flat.device)
-        if takes_kernels(flat.device, flat.dtype):
-            kernels().sign_encode(
-                flat.detach().numpy(), signs.numpy(), kernel_scratch(8, torch.uint8, "codes")
-            )
-            return join(scale, signs)
-        for block in block_slices(numel, flat.device):
-            packed = pack_bits(flat[block] < 0, 1)
-            signs[block.start // 8 : block.start // 8 + packed.numel()] = packed
-        return join(scale, signs)
+        return join(self._bucket_scales(flat, compute_dtype(flat.dtype)), sign_bits(flat))
 
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if takes_kernels(buffer.device, dtype):
@@ -118,3 +107,16 @@ class Sign(FusedAdd, Compressor):
             kernel_scratch(block_multiple(max(self.bucket, 1), numel), torch.uint8, "codes"),
             add,
         )
+
+
+def sign_bits(flat: torch.Tensor) -> torch.Tensor:
+    """Pack the bits ``x_i < 0`` of a flat tensor LSB first, as ``pack_bits(flat < 0, 1)``."""
+    signs = torch.empty(packed_nbytes(flat.numel(), 1), dtype=torch.uint8, device=flat.device)
+    if takes_kernels(flat.device, flat.dtype):
+        codes = kernel_scratch(8, torch.uint8, "codes")
+        kernels().sign_encode(flat.detach().numpy(), signs.numpy(), codes)
+        return signs
+    for block in block_slices(flat.numel(), flat.device):
+        packed = pack_bits(flat[block] < 0, 1)
+        signs[block.start // 8 : block.start // 8 + packed.numel()] = packed
+    return signs

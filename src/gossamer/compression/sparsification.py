@@ -10,12 +10,14 @@ import numpy as np
 import torch
 
 from gossamer.compression._common import (
+    FusedAdd,
     Reader,
     check_ratio,
     compute_dtype,
     join,
     kept,
     kernels,
+    takes_kernels,
 )
 from gossamer.compression._random import Seeded, generator
 from gossamer.compression.base import Compressor
@@ -28,6 +30,7 @@ from gossamer.compression.packing import (
     rice_parameter,
     unpack_bits,
 )
+from gossamer.compression.sign import sign_bits
 
 __all__ = ["STC", "RandomK", "TopK"]
 
@@ -69,7 +72,10 @@ def _top_entries(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     # entries through with negligible probability, at the cost of a few extra candidates.
     expected = k * sample.numel() / numel
     rank = min(sample.numel(), math.ceil(expected + 4 * math.sqrt(expected)) + 16)
-    threshold = torch.topk(sample, rank, sorted=False).values.min()
+    if sample.device.type == "cpu" and sample.dtype in (torch.float32, torch.float64):
+        threshold = torch.tensor(_kth_largest(sample.numpy(), rank))  # 0.1 ms; topk's 0.5
+    else:
+        threshold = torch.topk(sample, rank, sorted=False).values.min()
     candidates, values = _at_least(flat, threshold, room=2 * k)
     if candidates.numel() < k:
         return _entries_at(flat, torch.topk(flat.abs(), k, sorted=False).indices)
@@ -95,11 +101,16 @@ def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     if magnitudes.dtype not in (torch.float32, torch.float64):
         magnitudes = magnitudes.float()  # exact for 16-bit floats; numpy has no bfloat16
     m = magnitudes.numpy()
-    cut = np.partition(m, m.size - k)[m.size - k]
+    cut = _kth_largest(m, k)
     keep = m > cut
     ties = np.flatnonzero(m == cut)[: k - int(keep.sum())]
     keep[ties] = True
     return torch.from_numpy(np.flatnonzero(keep))
+
+
+def _kth_largest(a: np.ndarray, k: int) -> np.generic:
+    """The ``k``-th largest entry of ``a`` (numpy's introselect), in ``a``'s dtype."""
+    return np.partition(a, a.size - k)[a.size - k]
 
 
 _ROWS = 16
@@ -117,7 +128,9 @@ def _at_least(
     """
     if flat.device.type != "cpu" or flat.dtype not in (torch.float32, torch.float64):
         return _entries_at(flat, _at_least_by_columns(flat, threshold))
-    x, limit = flat.detach().contiguous().numpy(), threshold.item()
+    # The limit keeps its dtype: a float64 limit for float32 data cost a conversion per
+    # element (6.1 against 3.9 ms for 5.26 M floats).
+    x, limit = flat.detach().contiguous().numpy(), threshold.numpy()[()]
     found = torch.empty(room, dtype=torch.int64)
     values = torch.empty(room, dtype=flat.dtype)
     count = kernels().at_least(x, limit, found.numpy(), values.numpy())
@@ -327,7 +340,7 @@ def _stratified(
 
 
 @dataclass(frozen=True, repr=False)
-class STC(Compressor):
+class STC(FusedAdd, Compressor):
     """Sparse ternary compression (Sattler et al., IEEE TNNLS 2019): top-k, then ``{-mu, 0, mu}``.
 
     Keep the ``k = ceil(ratio * d)`` entries of largest magnitude, replace each by
@@ -373,15 +386,38 @@ class STC(Compressor):
         gaps = torch.diff(indices, prepend=indices.new_tensor([-1])) - 1
         remainders, unary = rice_encode(gaps, b)
         rice_b = torch.tensor([b], dtype=torch.uint8, device=flat.device)
-        return join(mu.reshape(1), rice_b, pack_bits(values < 0, 1), remainders, unary)
+        return join(mu.reshape(1), rice_b, sign_bits(values), remainders, unary)
 
     def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if takes_kernels(buffer.device, dtype):
+            out = torch.zeros(numel)
+            self._kernel_decode(buffer, numel, out, add=False)
+            return out
+        mu, signs, gaps = self._parts(buffer, numel, dtype)
+        indices = torch.cumsum(gaps + 1, 0) - 1
+        if int(indices[-1]) >= numel:
+            raise ValueError(_beyond(indices[-1], numel))
+        negative = unpack_bits(signs, 1, gaps.numel()).bool()
+        return _scatter(numel, indices, torch.where(negative, -mu, mu).to(dtype))
+
+    def _kernel_decode(self, buffer: torch.Tensor, numel: int, out: torch.Tensor, add: bool):
+        """Decode (or with ``add``, add) a float32 payload into float32 ``out`` on CPU."""
+        mu, signs, gaps = self._parts(buffer, numel, torch.float32)
+        if not kernels().stc_decode(gaps.numpy(), signs.numpy(), mu.numpy()[()], out.numpy(), add):
+            raise ValueError(_beyond(torch.cumsum(gaps + 1, 0)[-1] - 1, numel))
+
+    def _parts(
+        self, buffer: torch.Tensor, numel: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``mu``, the packed sign bits and the gaps between positions (int64)."""
         k = kept(numel, self.ratio)
         reader = Reader(buffer)
         mu = reader.take(1, compute_dtype(dtype))[0]
         b = int(reader.take(1)[0])
-        negative = unpack_bits(reader.take(packed_nbytes(k, 1)), 1, k).bool()
+        signs = reader.take(packed_nbytes(k, 1))
         remainders = reader.take(packed_nbytes(k, b))
-        gaps = rice_decode(remainders, reader.rest(), b, k)
-        indices = torch.cumsum(gaps + 1, 0) - 1
-        return _scatter(numel, indices, torch.where(negative, -mu, mu).to(dtype))
+        return mu, signs, rice_decode(remainders, reader.rest(), b, k)
+
+
+def _beyond(position: torch.Tensor, numel: int) -> str:
+    return f"payload places an entry at position {int(position)}, beyond the tensor's {numel}"
