@@ -381,11 +381,15 @@ def test_stc_matches_its_definition(device, dtype, numel):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_stc_rejects_a_position_beyond_the_tensor(dtype):
+def test_stc_rejects_a_payload_of_another_size(dtype):
     x = torch.zeros(100, dtype=dtype)
-    x[99] = 1.0  # one entry, 99 places in: read as 64 elements, beyond them
+    x[99] = 1.0  # one entry at 99; 90 elements take the same Rice parameter (6), 64 not
     payload = STC(0.01).compress(x)
-    with pytest.raises(ValueError, match="position 99, beyond the tensor's 64"):
+    target = torch.ones(90, dtype=dtype)
+    with pytest.raises(ValueError, match="position 99, beyond 90"):
+        STC(0.01).decompress_add_(type(payload)(payload.buffer, (90,), dtype), target)
+    assert torch.equal(target, torch.ones(90, dtype=dtype))  # nothing added
+    with pytest.raises(ValueError, match="Rice parameter is 6; 64 elements take 5"):
         STC(0.01).decompress(type(payload)(payload.buffer, (64,), dtype))
 
 

@@ -517,17 +517,14 @@ def rice_decode(remainders, unary, b, values):
 def stc_decode(gaps, signs, mu, out, add):
     """Write (``add``: add) ``-mu`` or ``mu`` at positions ``p_i = p_{i-1} + gaps_i + 1``.
 
-    ``p_{-1} = -1``; bit ``i`` of the packed ``signs`` set means ``-mu``. Returns ``False``
-    where a position falls outside ``out`` (a corrupt payload), having written nothing there.
+    ``p_{-1} = -1``; bit ``i`` of the packed ``signs`` set means ``-mu``. The caller checks
+    that the last position lies in ``out``.
     """
-    at, last = -1, out.shape[0]
+    at = -1
     for i in range(gaps.shape[0]):
         at += gaps[i] + 1
-        if at >= last:
-            return False
         s = -mu if (signs[i >> 3] >> (i & 7)) & 1 else mu
         if add:
             out[at] += s
         else:
             out[at] = s
-    return True

@@ -395,29 +395,34 @@ class STC(FusedAdd, Compressor):
             return out
         mu, signs, gaps = self._parts(buffer, numel, dtype)
         indices = torch.cumsum(gaps + 1, 0) - 1
-        if int(indices[-1]) >= numel:
-            raise ValueError(_beyond(indices[-1], numel))
         negative = unpack_bits(signs, 1, gaps.numel()).bool()
         return _scatter(numel, indices, torch.where(negative, -mu, mu).to(dtype))
 
     def _kernel_decode(self, buffer: torch.Tensor, numel: int, out: torch.Tensor, add: bool):
         """Decode (or with ``add``, add) a float32 payload into float32 ``out`` on CPU."""
         mu, signs, gaps = self._parts(buffer, numel, torch.float32)
-        if not kernels().stc_decode(gaps.numpy(), signs.numpy(), mu.numpy()[()], out.numpy(), add):
-            raise ValueError(_beyond(torch.cumsum(gaps + 1, 0)[-1] - 1, numel))
+        kernels().stc_decode(gaps.numpy(), signs.numpy(), mu.numpy()[()], out.numpy(), add)
 
     def _parts(
         self, buffer: torch.Tensor, numel: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``mu``, the packed sign bits and the gaps between positions (int64)."""
+        """``mu``, the packed sign bits and the gaps between positions (int64).
+
+        Raises:
+            ValueError: the payload is not one of ``numel`` elements (its Rice parameter is
+                not the one :meth:`compress` writes, or it places an entry beyond them).
+        """
         k = kept(numel, self.ratio)
         reader = Reader(buffer)
         mu = reader.take(1, compute_dtype(dtype))[0]
-        b = int(reader.take(1)[0])
+        b, expected = int(reader.take(1)[0]), rice_parameter(k / numel)
+        if b != expected:
+            raise ValueError(f"payload's Rice parameter is {b}; {numel} elements take {expected}")
         signs = reader.take(packed_nbytes(k, 1))
         remainders = reader.take(packed_nbytes(k, b))
-        return mu, signs, rice_decode(remainders, reader.rest(), b, k)
-
-
-def _beyond(position: torch.Tensor, numel: int) -> str:
-    return f"payload places an entry at position {int(position)}, beyond the tensor's {numel}"
+        gaps = rice_decode(remainders, reader.rest(), b, k)
+        # Checked before anything is written: decompress_add_ must not leave a half sum.
+        last = int(gaps.sum()) + k - 1
+        if last >= numel:
+            raise ValueError(f"payload places an entry at position {last}, beyond {numel}")
+        return mu, signs, gaps
