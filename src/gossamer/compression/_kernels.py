@@ -1,4 +1,4 @@
-"""Fused CPU kernels (numba): the quantizers, MinMaxUInt8, top-k's search; one pass, in cache.
+"""Fused CPU kernels (numba): quantizers, MinMaxUInt8, sign, top-k's search, STC's Rice code.
 
 The torch formulation in :mod:`gossamer.compression.quantization` runs one pass over a block
 per operation (draws, scaling, rounding, clamping, bit packing): about ten passes and 40-70
@@ -37,8 +37,11 @@ __all__ = [
     "natural_encode",
     "norm_decode",
     "norm_encode",
+    "rice_decode",
+    "rice_encode",
     "sign_decode",
     "sign_encode",
+    "stc_decode",
 ]
 
 _C1 = np.uint32(0x7FEB352D)
