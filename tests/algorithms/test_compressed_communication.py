@@ -200,18 +200,19 @@ def test_uint8_scatter_reduce_gather_matches_the_simulation(world_size):
         assert (g - exact).abs().max() < 0.05  # two 8-bit quantizations of values ~N(0, 1)
 
 
-def test_sparse_allreduce_averages_the_decoded_payloads():
-    n = 3
-    got = run_distributed(
-        _compressed_allreduce,
-        n,
-        args=(
-            "topk:0.1",
-            False,
-        ),
-    )
-    c = get_compressor("topk:0.1")
-    want = sum(c.decompress(c.compress(_start(r, 1001))) for r in range(n)) / n
+def _sparse_allreduce(spec, dtype):
+    comm = communicators.CompressedAllreduce(spec, error_feedback=False)
+    return _run_rounds(comm, _start(gossamer.rank(), 1001).to(dtype), 1)
+
+
+@pytest.mark.parametrize(
+    ("n", "spec", "dtype"),
+    [(3, "topk:0.1", torch.float64), (2, "stc:0.1", torch.float32), (4, "stc:0.1", torch.float64)],
+)
+def test_sparse_allreduce_averages_the_decoded_payloads(n, spec, dtype):
+    got = run_distributed(_sparse_allreduce, n, args=(spec, dtype))
+    c = get_compressor(spec)
+    want = sum(c.decompress(c.compress(_start(r, 1001).to(dtype))) for r in range(n)) / n
     for g in got:
         torch.testing.assert_close(g, want)
 
