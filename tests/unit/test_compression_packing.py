@@ -184,6 +184,22 @@ def test_error_feedback_loses_nothing_it_only_delays(compressor):
     torch.testing.assert_close(sent + ef.residual("w"), sum(xs), rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # fused kernels, torch
+@pytest.mark.parametrize("compressor", EF_COMPRESSORS.values(), ids=EF_COMPRESSORS.keys())
+def test_error_feedback_residual_is_exactly_the_difference(compressor, dtype):
+    # Fresh copies of the configuration: both draw the same streams from the start.
+    ef, replica = ErrorFeedback(dataclasses.replace(compressor)), dataclasses.replace(compressor)
+    residual = torch.zeros(6, 50, dtype=dtype)
+    for x in (x.to(dtype) for x in _inputs(4, seed=2)):
+        kept = x.clone()
+        corrected = x + residual
+        residual = corrected - replica.decompress(replica.compress(corrected))
+        ef.compress(x, key="w")
+        assert torch.equal(x, kept)  # the input is not touched
+        assert torch.equal(ef.residual("w"), residual)
+        assert not ef.residual("w")[ef.residual("w") == 0].signbit().any()  # no -0.0
+
+
 def test_error_feedback_residual_is_the_compression_error():
     ef = ErrorFeedback(TopK(0.5))
     payload = ef.compress(torch.tensor([1.0, -3.0, 0.5, 2.0]), key="w")
