@@ -72,7 +72,7 @@ def _top_entries(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     # entries through with negligible probability, at the cost of a few extra candidates.
     expected = k * sample.numel() / numel
     rank = min(sample.numel(), math.ceil(expected + 4 * math.sqrt(expected)) + 16)
-    if sample.device.type == "cpu" and sample.dtype in (torch.float32, torch.float64):
+    if _numpy_floats(sample):
         threshold = torch.tensor(_kth_largest(sample.numpy(), rank))  # 0.1 ms; topk's 0.5
     else:
         threshold = torch.topk(sample, rank, sorted=False).values.min()
@@ -98,7 +98,7 @@ def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     """
     if magnitudes.device.type != "cpu":
         return torch.topk(magnitudes, k, sorted=False).indices
-    if magnitudes.dtype not in (torch.float32, torch.float64):
+    if not _numpy_floats(magnitudes):
         magnitudes = magnitudes.float()  # exact for 16-bit floats; numpy has no bfloat16
     m = magnitudes.numpy()
     cut = _kth_largest(m, k)
@@ -106,6 +106,11 @@ def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     ties = np.flatnonzero(m == cut)[: k - int(keep.sum())]
     keep[ties] = True
     return torch.from_numpy(np.flatnonzero(keep))
+
+
+def _numpy_floats(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CPU float32 or float64 tensor (numpy and the kernels take it)."""
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
 
 
 def _kth_largest(a: np.ndarray, k: int) -> np.generic:
@@ -126,7 +131,7 @@ def _at_least(
     On CPU (float32 and float64) a compiled loop finds them in one pass
     (:func:`._kernels.at_least`); elsewhere, :func:`_at_least_by_columns`.
     """
-    if flat.device.type != "cpu" or flat.dtype not in (torch.float32, torch.float64):
+    if not _numpy_floats(flat):
         return _entries_at(flat, _at_least_by_columns(flat, threshold))
     # The limit keeps its dtype: a float64 limit for float32 data cost a conversion per
     # element (6.1 against 3.9 ms for 5.26 M floats).
