@@ -92,7 +92,9 @@ SCRIPT = textwrap.dedent(r"""
         report["next"] = type(err).__name__
         report["next_lost"] = getattr(err, "ranks", None)
     report["next_s"] = time.time() - start
-    print("REPORT " + json.dumps(report), flush=True)
+    # One write: print() writes the line and its newline apart, and a warning from another
+    # thread (on the same pipe) could land between them.
+    os.write(1, ("REPORT " + json.dumps(report) + "\n").encode())
     # Leaving before every survivor has reported could make a slower one name this rank
     # too (rank 0 hosts the store): wait for their marks, as a barrier that needs no peer.
     open(f"{mark}.{r}", "w").close()
