@@ -47,6 +47,9 @@ __all__ = [
 _C1 = np.uint32(0x7FEB352D)
 _C2 = np.uint32(0x846CA68B)
 _MANTISSA = np.int32(0x7FFFFF)
+# The bit width of sign bits, as an int64: a literal 1 would give the bit packers a second
+# compiled signature (numba specialises on literal arguments), 15 s more to compile.
+_ONE_BIT = np.int64(1)
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 
 
@@ -306,7 +309,7 @@ def natural_encode(x, k1, k2, magnitudes, signs, codes):
         part = bits[lo:hi]
         for j in range(part.shape[0]):
             codes[j] = np.uint8((part[j] >> 31) & 1)
-        _pack(codes, hi - lo, 1, signs, lo // 8)
+        _pack(codes, hi - lo, _ONE_BIT, signs, lo // 8)
 
 
 @_jit
@@ -320,7 +323,7 @@ def natural_decode(magnitudes, signs, out, codes, decoded, add):
     bits = decoded.view(np.int32)
     for lo in range(0, n, block):
         hi = min(n, lo + block)
-        _unpack(signs, lo // 8, 1, hi - lo, codes)
+        _unpack(signs, lo // 8, _ONE_BIT, hi - lo, codes)
         ms, dst = magnitudes[lo:hi], out[lo:hi]
         for j in range(dst.shape[0]):
             bits[j] = (np.int32(ms[j]) << 23) | (np.int32(codes[j]) << 31)
@@ -388,7 +391,7 @@ def sign_encode(x, signs, codes):
         part = x[lo : lo + block]
         for j in range(part.shape[0]):
             codes[j] = np.uint8(part[j] < np.float32(0.0))
-        _pack(codes, part.shape[0], 1, signs, lo // 8)
+        _pack(codes, part.shape[0], _ONE_BIT, signs, lo // 8)
 
 
 @_jit
@@ -402,7 +405,7 @@ def sign_decode(signs, scales, bucket, out, codes, add):
     width = bucket if bucket > 0 else n
     for lo in range(0, n, block):
         hi = min(n, lo + block)
-        _unpack(signs, lo // 8, 1, hi - lo, codes)
+        _unpack(signs, lo // 8, _ONE_BIT, hi - lo, codes)
         for first in range(lo, hi, width):
             last = min(hi, first + width)
             s = scales[first // width]
