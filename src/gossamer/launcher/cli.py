@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 
 from gossamer.env import CHECKPOINT_DIR, CHECKPOINT_EVERY, CHECKPOINT_RESIZE
+from gossamer.launcher import preload
 from gossamer.launcher.hosts import AGENT_FLAG, parse_hosts, place, run_hosts, watch_parent
 from gossamer.launcher.signals import Interrupted, Interruption, interrupted_message
 
@@ -138,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write each rank's output to DIR/rank.<k>.stdout and DIR/rank.<k>.stderr",
     )
     run.add_argument("--verbose", action="store_true", help="show torchrun's own log")
+    run.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="start every rank as a fresh python (default: fork it from one process that "
+        "imported torch once; docs/launcher.md)",
+    )
     fault = run.add_argument_group("fault tolerance (docs/fault-tolerance.md)")
     fault.add_argument(
         "--elastic",
@@ -248,6 +255,8 @@ def _launch(
         agent_options.append(f"--network-interface={args.network_interface}")
     if args.verbose:
         agent_options.append("--verbose")
+    if args.no_preload:
+        agent_options.append("--no-preload")
     if args.elastic:
         agent_options += ["--elastic", f"--min-ranks={args.min_ranks or 1}"]
     if args.checkpoint_dir:
@@ -266,18 +275,28 @@ def _launch(
         )
     if args.hosts_agent:
         watch_parent()
+    torchrun, preloader = plan.torchrun, None
+    if not args.no_preload:
+        # Started first, so that it imports torch while this process does.
+        preloader = preload.start()
+        # The plan ends with the command (`-m m` as `--module m`); torchrun starts clients.
+        torchrun = [*torchrun[: -len(command)], "--no-python", *preload.client_command(command)]
     from gossamer.launcher.agent import run_agent  # imports torch
 
-    return run_agent(
-        plan.torchrun,
-        interruption,
-        verbose=args.verbose,
-        tag_output=args.tag_output,
-        log_dir=plan.log_dir,
-        announce_interrupt=not args.hosts_agent,
-        elastic=args.elastic,
-        min_ranks=args.min_ranks or 1,
-    )
+    try:
+        return run_agent(
+            torchrun,
+            interruption,
+            verbose=args.verbose,
+            tag_output=args.tag_output,
+            log_dir=plan.log_dir,
+            announce_interrupt=not args.hosts_agent,
+            elastic=args.elastic,
+            min_ranks=args.min_ranks or 1,
+        )
+    finally:
+        if preloader is not None:
+            preloader.stop()
 
 
 def _pin_to_loopback() -> None:
