@@ -27,6 +27,7 @@ PROBE = textwrap.dedent(r"""
         "affinity": sorted(os.sched_getaffinity(0)),
         "draw": numpy.random.rand(),
         "unbuffered": sys.stdout.write_through,
+        "fds": sorted(os.listdir("/proc/self/fd")),
     }
     os.write(1, ("REPORT " + json.dumps(report) + "\n").encode())
     sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)

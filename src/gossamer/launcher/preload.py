@@ -139,9 +139,9 @@ class _Server:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
         self.listener.listen(64)
-        self.wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_w, False)
-        signal.set_wakeup_fd(wake_w)
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through wake_w
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
@@ -177,10 +177,11 @@ class _Server:
             return None
         pid = os.fork()
         if pid == 0:
+            conn.close()
             self._become_rank(fds)
             return job
         with contextlib.suppress(OSError):
-            os.setpgid(pid, pid)  # also here: the group must exist before the client learns the pid
+            os.setpgid(pid, pid)  # here too: the group exists before the client learns the pid
         for fd in fds:
             os.close(fd)
         self.ranks[pid] = conn
@@ -201,6 +202,7 @@ class _Server:
         for conn in self.ranks.values():
             conn.close()
         os.close(self.wake_r)
+        os.close(self.wake_w)
 
     def _reap(self) -> None:
         while self.ranks:
