@@ -84,33 +84,29 @@ def test_a_rank_whose_client_dies_is_killed_and_the_preloader_ends_with_its_laun
     )
     preloader = preload.start()
     try:
-        client = subprocess.Popen(
-            preload.client_command(["sleeper.py"]), cwd=tmp_path, stdout=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        rank = int(client.stdout.readline())
+        client, rank = _sleeper(tmp_path)
         assert rank != client.pid
         client.send_signal(signal.SIGTERM)  # relayed: the rank dies of it, then the client
         assert client.wait(timeout=30) == -signal.SIGTERM
         assert _gone(rank)
-        client = subprocess.Popen(
-            preload.client_command(["sleeper.py"]), cwd=tmp_path, stdout=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        rank = int(client.stdout.readline())
+        client, rank = _sleeper(tmp_path)
         client.kill()  # no relay: the preloader sees the client's connection close
         client.wait(timeout=30)
         assert _gone(rank)
-        client = subprocess.Popen(
-            preload.client_command(["sleeper.py"]), cwd=tmp_path, stdout=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        rank = int(client.stdout.readline())
+        client, rank = _sleeper(tmp_path)
     finally:
         preloader.stop()
         os.environ.pop(preload.SOCKET_VARIABLE, None)
     assert client.wait(timeout=30) == -signal.SIGKILL
     assert _gone(rank)
+
+
+def _sleeper(tmp_path):
+    """A client of sleeper.py and its rank's pid (which the rank prints)."""
+    client = subprocess.Popen(
+        preload.client_command(["sleeper.py"]), cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
+    return client, int(client.stdout.readline())
 
 
 def _gone(pid, within=10.0):
