@@ -91,6 +91,7 @@ def start() -> Preloader | None:
 
     Returns None when it could not start; the clients then run their programs themselves.
     """
+    os.environ.pop(SOCKET_VARIABLE, None)  # not an enclosing launch's (a launch in a rank)
     path = os.path.join(tempfile.mkdtemp(prefix="gossamer-preload-"), "socket")
     try:
         proc = subprocess.Popen(
