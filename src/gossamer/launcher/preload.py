@@ -39,9 +39,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass, field
 
-__all__ = ["SOCKET_VARIABLE", "Job", "Preloader", "client_command", "start"]
+__all__ = ["SOCKET_VARIABLE", "Preloader", "client_command", "start"]
 
 # The clients find the preloader's socket here (the ranks inherit the agent's environment).
 SOCKET_VARIABLE = "GOSSAMER_PRELOAD_SOCKET"
@@ -53,7 +54,7 @@ _SERVE = "from gossamer.launcher.preload import main; main()"
 
 
 @dataclass
-class Job:
+class _Job:
     """What a client asked the preloader to run (its ``python`` command line and context)."""
 
     argv: list[str]
@@ -113,8 +114,8 @@ def start() -> Preloader | None:
     return preloader
 
 
-def _receive_job(conn: socket.socket) -> tuple[Job, list[int]]:
-    """Read one request: a length, the JSON of a :class:`Job`, and the client's streams."""
+def _receive_job(conn: socket.socket) -> tuple[_Job, list[int]]:
+    """Read one request: a length, the JSON of a job, and the client's streams."""
     head, fds, _, _ = socket.recv_fds(conn, _LENGTH.size, _STREAMS)
     if len(head) < _LENGTH.size:
         raise ConnectionError("short request")
@@ -125,7 +126,7 @@ def _receive_job(conn: socket.socket) -> tuple[Job, list[int]]:
         if not chunk:
             raise ConnectionError("short request")
         body += chunk
-    return Job(**json.loads(body)), fds
+    return _Job(**json.loads(body)), fds
 
 
 def _reply(conn: socket.socket, **fields: int) -> None:
@@ -150,7 +151,7 @@ class _Server:
         self.selector.register(0, selectors.EVENT_READ, "parent")
         self.ranks: dict[int, socket.socket] = {}  # pid -> its client's connection
 
-    def serve(self) -> Job | None:
+    def serve(self) -> _Job | None:
         """Run until the launcher goes (None); in a forked child, return its job."""
         while True:
             for key, _ in self.selector.select():
@@ -169,7 +170,7 @@ class _Server:
                     if not key.fileobj.recv(1):
                         self._kill(key.data)
 
-    def _accept(self) -> Job | None:
+    def _accept(self) -> _Job | None:
         conn, _ = self.listener.accept()
         try:
             job, fds = _receive_job(conn)
@@ -242,12 +243,9 @@ class _Server:
             conn.close()
 
 
-def _run(job: Job) -> None:
+def _run(job: _Job) -> None:
     """Run ``python job.argv...`` in this (forked) process, as a fresh interpreter would."""
-    import builtins
-    import importlib.machinery
     import runpy
-    import types
 
     os.chdir(job.cwd)
     os.environ.clear()
@@ -255,13 +253,7 @@ def _run(job: Job) -> None:
     if job.affinity:
         os.sched_setaffinity(0, job.affinity)
     _fresh_state(job.env)
-    # python -u: unbuffered standard streams.
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        old = getattr(sys, name)
-        stream = open(fd, "w", buffering=1, encoding=old.encoding, errors=old.errors, closefd=False)  # noqa: SIM115
-        stream.reconfigure(write_through=True)
-        setattr(sys, name, stream)
-    sys.stdin = open(0, encoding=sys.stdin.encoding, closefd=False)  # noqa: SIM115
+    _unbuffered_streams()
     args = job.argv[1:]  # after "-u"
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
@@ -271,17 +263,35 @@ def _run(job: Job) -> None:
     sys.argv = list(args)
     path = os.path.realpath(args[0])
     sys.path[0] = os.path.dirname(path)
-    if not os.path.isfile(path):  # a directory or zip file with a __main__.py
+    if os.path.isdir(path) or zipfile.is_zipfile(path):  # run through its __main__.py
         runpy.run_path(args[0], run_name="__main__")
-        return
-    # As the interpreter runs a script: a __main__ module of its own, kept after the run.
+    else:
+        _run_script(os.path.abspath(args[0]))
+
+
+def _unbuffered_streams() -> None:
+    """Standard streams on this process's 0, 1, 2, unbuffered as under ``python -u``."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        stream = open(fd, "w", buffering=1, encoding=old.encoding, errors=old.errors, closefd=False)  # noqa: SIM115
+        stream.reconfigure(write_through=True)
+        setattr(sys, name, stream)
+    sys.stdin = open(0, encoding=sys.stdin.encoding, closefd=False)  # noqa: SIM115
+
+
+def _run_script(path: str) -> None:
+    """As the interpreter runs a script: in a ``__main__`` module of its own, kept after."""
+    import builtins
+    import importlib.machinery
+    import types
+
     main = types.ModuleType("__main__")
-    main.__file__ = os.path.abspath(args[0])
-    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", main.__file__)
+    main.__file__ = path
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
-    with open(main.__file__, "rb") as source:
-        code = compile(source.read(), main.__file__, "exec")
+    with open(path, "rb") as source:
+        code = compile(source.read(), path, "exec")
     exec(code, main.__dict__)
 
 

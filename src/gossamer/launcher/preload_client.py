@@ -15,6 +15,8 @@ import socket
 import struct
 import sys
 
+# gossamer.launcher.preload.SOCKET_VARIABLE: without site, this file cannot import gossamer.
+_SOCKET_VARIABLE = "GOSSAMER_PRELOAD_SOCKET"
 _RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
             signal.SIGUSR2)  # fmt: skip
 
@@ -51,7 +53,7 @@ def _end(code):
 def main():
     """Run ``sys.argv[1:]`` (``-u program args...``) as a forked rank, or here."""
     argv = sys.argv[1:]
-    path = os.environ.get("GOSSAMER_PRELOAD_SOCKET")
+    path = os.environ.get(_SOCKET_VARIABLE)
     if not path or argv[:1] != ["-u"] or len(argv) < 2:
         _run_here(argv)
     try:
