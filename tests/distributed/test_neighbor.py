@@ -516,3 +516,28 @@ def _large_mismatch():
 def test_large_mismatched_shapes_raise_not_abort(machines):
     for message in run_distributed(_large_mismatch, 3, env=MACHINES[machines]):
         assert "float32[400000]" in message and "float32[500000]" in message
+
+
+def _first_messages(numel):
+    from gossamer.transport import HEADER_LEN, Header, p2p
+
+    x = data(gossamer.rank(), shape=(numel,))
+    peer = 1 - gossamer.rank()
+    firsts, rests = p2p._firsts(Header.of("neighbor_allreduce", x), {peer: x})
+    (dst, first), *more = firsts
+    head = Header.decode(first[: HEADER_LEN * 8].view(torch.int64))
+    inline = first[HEADER_LEN * 8 :]
+    same = torch.equal(inline, x.view(torch.uint8))
+    return dst == peer and not more, head.inline, same, [t.nbytes for _, t in rests]
+
+
+@pytest.mark.parametrize("machines", sorted(MACHINES))
+def test_a_small_payload_travels_in_its_headers_message(machines):
+    # One gloo message per destination instead of two: the header's receive is sized to
+    # hold it. Up to one 256 KiB piece in all (the largest message sent whole between
+    # machines), on one machine as between machines.
+    small, large, env = 1000, 70_000, MACHINES[machines]
+    for ok, inline, same, rests in run_distributed(_first_messages, 2, args=(small,), env=env):
+        assert ok and inline == 4 * small and same and rests == []
+    for ok, inline, _, rests in run_distributed(_first_messages, 2, args=(large,), env=env):
+        assert ok and inline == 0 and rests == [4 * large]

@@ -28,8 +28,9 @@ def test_payload_bytes_view_back_to_the_tensor(dtype, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_header_round_trip_for_every_dtype(dtype):
-    head = Header("neighbor_allreduce", dtype, (2, 3), seq=4, aux=5, value=0.25)
+    head = Header("neighbor_allreduce", dtype, (2, 3), seq=4, aux=5, value=0.25, inline=24)
     assert Header.decode(head.encode()) == head
+    assert head.matches(Header("neighbor_allreduce", dtype, (2, 3), aux=5))  # inline aside
 
 
 def test_rejected_header_carries_the_operation_the_rank_and_the_reason_length():

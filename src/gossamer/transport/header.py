@@ -4,7 +4,8 @@ Every message that carries data (a neighbour exchange, a window request) is prec
 is, a header of :data:`HEADER_LEN` int64 values: a magic number, the operation, a sequence
 number, an auxiliary integer (a root rank, a window id), a slot, the payload codec, a float
 value (its bits), the dtype, the sender's membership epoch
-(:mod:`~gossamer.transport.membership`), and the shape. The receiver checks it against its
+(:mod:`~gossamer.transport.membership`), how many payload bytes travel in the header's own
+message (:mod:`~gossamer.transport.p2p`), and the shape. The receiver checks it against its
 own call and sizes its buffer from it, so a peer that called something else produces an
 error naming both sides instead of garbage or a hang. Compressed payloads name their codec here.
 """
@@ -23,7 +24,7 @@ __all__ = ["DTYPES", "HEADER_LEN", "OPS", "Header"]
 
 _MAGIC = 0x605_5A3E
 _MAX_DIMS = 10  # header slots for dims; further dims are folded into one product
-HEADER_LEN = 10 + _MAX_DIMS + 1
+HEADER_LEN = 11 + _MAX_DIMS + 1  # 176 bytes: a payload after it is 16-byte aligned
 
 DTYPES = (
     torch.float32,
@@ -104,6 +105,8 @@ class Header:
         epoch: the sender's membership epoch (how many membership changes it has adopted);
             a receiver that sees a newer one adopts it (elastic gossip). Not part of
             :meth:`matches`.
+        inline: how many payload bytes follow the header in its own message (the rest
+            travels apart). Not part of :meth:`matches`.
     """
 
     op: str
@@ -115,6 +118,7 @@ class Header:
     codec: int = 0
     value: float = 0.0
     epoch: int = 0
+    inline: int = 0
 
     @classmethod
     def of(cls, op: str, tensor: torch.Tensor, **fields: int | float) -> Header:
@@ -141,6 +145,7 @@ class Header:
             DTYPES.index(self.dtype),
             len(self.shape),
             self.epoch,
+            self.inline,
         ]
         values += dims + [-1] * (_MAX_DIMS - len(dims)) + [rest]
         return torch.tensor(values, dtype=torch.int64)
@@ -156,10 +161,10 @@ class Header:
         if v[0] != _MAGIC or not 0 <= v[1] < len(OPS) or not 0 <= v[7] < len(DTYPES):
             raise PeerError(f"received a corrupt call header {v}")
         ndim = v[8]
-        shape = v[10 : 10 + min(ndim, _MAX_DIMS)]
+        shape = v[11 : 11 + min(ndim, _MAX_DIMS)]
         if ndim > _MAX_DIMS:
             shape.append(v[-1])  # folded: only used to size the drain buffer
-        fields = (v[2], v[3], v[4], v[5], _float(v[6]), v[9])
+        fields = (v[2], v[3], v[4], v[5], _float(v[6]), v[9], v[10])
         return cls(OPS[v[1]], DTYPES[v[7]], tuple(shape), *fields)
 
     def matches(self, other: Header, any_first_dim: bool = False) -> bool:
