@@ -63,6 +63,7 @@ __all__ = [
 
 _HEADER_TAG = 0x6F01
 _HEAD_BYTES = HEADER_LEN * 8
+_CPU = torch.device("cpu")
 _DATA_TAGS = 1 << 30  # payload tags: 2^30 + MAX_CHUNKS * (hash of the byte count) + chunk
 # Large CPU messages between machines travel as several chunks in flight per peer.
 # Measured on emulated 100 Mbit links (benchmarks/netbench, 4 hosts): a 1.2 MB exchange
@@ -280,7 +281,7 @@ def _firsts(
         payload = as_bytes(t)
         fits = payload.device.type == "cpu" and payload.nbytes <= _INLINE_BYTES
         inline = payload.nbytes if fits else 0
-        first = staging.get(_HEAD_BYTES + inline, torch.device("cpu"), d)
+        first = staging.get(_HEAD_BYTES + inline, _CPU, d)
         first[:_HEAD_BYTES].copy_(as_bytes(replace(mine, inline=inline).encode()))
         first[_HEAD_BYTES:].copy_(payload[:inline])
         firsts.append((d, first))
@@ -292,8 +293,7 @@ def _firsts(
 def _inbox(sources: Sequence[int]) -> dict[int, torch.Tensor]:
     """A receive buffer per source for its first message, as large as it may be."""
     inbox = context.runtime().component("transport.firsts_in", Buffers)
-    cpu = torch.device("cpu")
-    return {s: inbox.get(_CHUNK_BYTES, cpu, s) for s in sources}
+    return {s: inbox.get(_CHUNK_BYTES, _CPU, s) for s in sources}
 
 
 def _decode(first: torch.Tensor) -> Header:
