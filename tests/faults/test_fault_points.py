@@ -6,7 +6,8 @@ step of each optimizer (AdaptWithCombine, AdaptThenCombine, GradientAllreduce, W
 and of asynchronous push-sum (PushSum). Each point is one job of its own (a world with a dead
 rank cannot be reused); the jobs run side by side. Every survivor must raise
 ``RankLostError`` naming the victim within ``GOSSAMER_TIMEOUT`` (20 s here) of the kill,
-raise it again at once on its next call, and exit normally (no hang, no abort). Two points
+raise it again at once on its next call, and exit normally and soon after (no hang, no
+abort, no thread left waiting on the dead rank). Two points
 also run under the launcher (``gossamer run``), which must exit with 137 (128 + SIGKILL) and
 name the killed rank.
 """
@@ -24,7 +25,7 @@ from gossamer.testing import free_port
 
 TIMEOUT_S = 20
 SCRIPT = textwrap.dedent(r"""
-    import json, os, signal, sys, time, torch, gossamer
+    import atexit, json, os, signal, sys, time, torch, gossamer
     from gossamer import topology as topo
     from gossamer.optim import (
         AdaptThenCombine, AdaptWithCombine, GradientAllreduce, PushSum, WindowPut,
@@ -33,6 +34,8 @@ SCRIPT = textwrap.dedent(r"""
     point, victim, mark = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     gossamer.init()
     r, n = gossamer.rank(), gossamer.size()
+    # atexit runs after the interpreter joined its threads: when the process really ends.
+    atexit.register(lambda: open(f"{mark}.{r}.exit", "w").write(str(time.time())))
     torch.manual_seed(0)
     x = torch.ones(20_000)
 
@@ -162,6 +165,13 @@ def _collect(procs, deadline):
     return outputs
 
 
+def _exit_after(mark, rank, report):
+    """Seconds from a survivor's error to its process's end (a thread left waiting on the
+    dead rank would hold the exit to the deadline)."""
+    ended = mark.with_name(f"{mark.name}.{rank}.exit")
+    return float(ended.read_text()) - report["raised_at"] if ended.exists() else float("inf")
+
+
 def _check_point(point, procs, outputs, mark):
     world, victim, _ = POINTS[point]
     problems = []
@@ -190,6 +200,8 @@ def _check_point(point, procs, outputs, mark):
             problems.append(f"rank {r} raised {delay:.1f} s after the kill: {report}")
         elif report["next"] != "RankLostError" or report["next_s"] > 1.0:
             problems.append(f"rank {r}: the next call gave {report}")
+        elif _exit_after(mark, r, report) > TIMEOUT_S / 2:
+            problems.append(f"rank {r} ended {_exit_after(mark, r, report):.1f} s after raising")
     return problems, delays
 
 

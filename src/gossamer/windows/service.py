@@ -24,6 +24,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -221,8 +222,13 @@ class Service:
     def wait(
         self, what: str, target: int, future: concurrent.futures.Future, sends: list
     ) -> object:
-        """Wait for a request's sends and its answer, within the deadline."""
-        deadline = context.timeout()
+        """Wait for a request's sends and its answer, within the deadline.
+
+        The answer is waited for a second at a time: a target that died after taking the
+        request raises :class:`~gossamer.errors.RankLostError` once its heartbeat stops,
+        instead of holding this thread to the deadline (and the process's exit, which
+        joins the thread, with it).
+        """
         for work, _ in sends:
             try:
                 work.wait()
@@ -230,14 +236,21 @@ class Service:
                 raise PeerError(
                     f"{what}: sending to rank {target} failed ({err}); did that rank crash or exit?"
                 ) from err
-        try:
-            return future.result(timeout=deadline)
-        except concurrent.futures.TimeoutError:
-            if future.done():
-                raise
-            raise CommunicationTimeout(
-                f"{what}: rank {target} did not answer within {deadline:g} s"
-            ) from None
+        limit = context.timeout()
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                return future.result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if future.done():
+                    raise
+            live = get_liveness()
+            if live is not None and target in live.check():
+                raise lost_error(what, {target})
+            if time.monotonic() >= deadline:
+                raise CommunicationTimeout(
+                    f"{what}: rank {target} did not answer within {limit:g} s"
+                ) from None
 
     def check(self) -> None:
         """Raise if the progress thread has failed."""
