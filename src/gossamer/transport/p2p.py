@@ -78,7 +78,7 @@ MAX_CHUNKS = 32
 # two cores, medians of 4 runs): the one-peer exchange of 1e4 float32 went from 2.36 to
 # 2.11 ms and the exponential-two one from 4.28 to 2.78 ms. A 4 MB payload inline made the
 # exchange of 1e6 floats slower: its copy (about 1 ms with four ranks on two cores) costs
-# more than the header's own message (0.5-1 ms).
+# more than the header's own message (0.3-0.8 ms).
 _INLINE_BYTES = _CHUNK_BYTES - _HEAD_BYTES
 
 
