@@ -313,8 +313,10 @@ def _payloads(
     device: torch.device,
 ) -> dict[int, torch.Tensor]:
     """Each source's payload bytes: from its first message, or its own receive."""
-    inline = {s: inbox[s][_HEAD_BYTES : _HEAD_BYTES + h.inline] for s, h in theirs.items()}
-    return {s: rests[s] if s in rests else inline[s].to(device) for s in theirs}
+    return {
+        s: rests[s] if s in rests else inbox[s][_HEAD_BYTES : _HEAD_BYTES + h.inline].to(device)
+        for s, h in theirs.items()
+    }
 
 
 def _headers_and_data(

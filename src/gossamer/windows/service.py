@@ -244,8 +244,7 @@ class Service:
             except concurrent.futures.TimeoutError:
                 if future.done():
                     raise
-            live = get_liveness()
-            if live is not None and target in live.check():
+            if target in find_lost(patient=False):
                 raise lost_error(what, {target})
             if time.monotonic() >= deadline:
                 raise CommunicationTimeout(
@@ -273,14 +272,12 @@ class Service:
             self.check()
             with state.lock:
                 holder = mutex.holder
-            if holder and holder[0] == "remote":
-                live = get_liveness()
-                if live is not None and holder[1] in live.check():
-                    with state.lock:
-                        mutex.waiters = deque(w for w in mutex.waiters if w[1] is not event)
-                    raise lost_error(
-                        f"window {state.name!r}: mutex slot {slot} of rank {self.rank}", {holder[1]}
-                    )
+            if holder and holder[0] == "remote" and holder[1] in find_lost(patient=False):
+                with state.lock:
+                    mutex.waiters = deque(w for w in mutex.waiters if w[1] is not event)
+                raise lost_error(
+                    f"window {state.name!r}: mutex slot {slot} of rank {self.rank}", {holder[1]}
+                )
             deadline -= 1.0
             if deadline <= 0:
                 with state.lock:
