@@ -523,8 +523,8 @@ def _first_messages(numel):
 
     x = data(gossamer.rank(), shape=(numel,))
     peer = 1 - gossamer.rank()
-    firsts, rests = p2p._firsts(Header.of("neighbor_allreduce", x), {peer: x})
-    (dst, first), *more = firsts
+    firsts, rests = p2p._firsts(Header.of("neighbor_allreduce", x), {peer: x}, None)
+    (dst, first), *more = firsts[p2p._HEADER_TAG] + firsts[p2p._STICKY_TAG]
     head = Header.decode(first[: HEADER_LEN * 8].view(torch.int64))
     inline = first[HEADER_LEN * 8 :]
     same = torch.equal(inline, x.view(torch.uint8))
@@ -541,3 +541,89 @@ def test_a_small_payload_travels_in_its_headers_message(machines):
         assert ok and inline == 4 * small and same and rests == []
     for ok, inline, _, rests in run_distributed(_first_messages, 2, args=(large,), env=env):
         assert ok and inline == 0 and rests == [4 * large]
+
+
+REPEATS = [(300_000,)] * 3 + [(600, 500)] * 2 + [(1000,), (300_000,), (300_000,)]
+
+
+def _repeated_calls(shapes):
+    from gossamer import profiling
+
+    graph = topo.fully_connected(gossamer.size())
+    out, sent = [], []
+    for k, shape in enumerate(shapes):
+        profiling.reset_bytes_sent()
+        out.append(
+            gossamer.neighbor_allreduce(data(gossamer.rank(), shape, seed=k), topology=graph)
+        )
+        sent.append(profiling.bytes_sent())
+    return out, sent
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("machines", sorted(MACHINES))
+def test_a_repeated_call_on_one_machine_sends_its_payload_alone(machines, world_size):
+    # Between two ranks of one machine, a large call that repeats the edge's last header
+    # sends no header: one gloo message instead of two. A changed call sends its header
+    # first (on the same tag), a small one carries its payload, and the results are those
+    # of the full weight matrix in every case.
+    got = run_distributed(_repeated_calls, world_size, args=(REPEATS,), env=MACHINES[machines])
+    graph = topo.fully_connected(world_size)
+    peers, head = world_size - 1, 22 * 8
+    sticky = machines == "one machine"
+    repeat = [False, True, True, False, True, False, False, True]
+    for k, shape in enumerate(REPEATS):
+        inputs = [data(r, shape, seed=k) for r in range(world_size)]
+        assert_all_close([out[k] for out, _ in got], mix(graph.weights, inputs), torch.float32)
+        payload = 4 * math.prod(shape)
+        want = peers * (payload + (0 if sticky and repeat[k] else head))
+        assert all(sent[k] == want for _, sent in got), (k, [sent[k] for _, sent in got], want)
+
+
+def _mismatch_after_repeats(odd_shape):
+    graph = topo.fully_connected(gossamer.size())
+    x = torch.ones(300_000)
+    for _ in range(2):
+        gossamer.neighbor_allreduce(x, topology=graph)
+    odd = torch.ones(odd_shape) if gossamer.rank() == 1 else x
+    with pytest.raises(PeerError) as info:
+        gossamer.neighbor_allreduce(odd, topology=graph)
+    after = [gossamer.neighbor_allreduce(k * x, topology=graph) for k in (2.0, 3.0)]
+    return str(info.value), after
+
+
+@pytest.mark.parametrize("odd_shape", [(600, 500), (400_000,)], ids=["same bytes", "larger"])
+def test_a_call_that_changes_after_repeats_is_a_mismatch_on_every_rank(odd_shape):
+    # Rank 1 changes its call on edges that carried payloads alone: it receives the others'
+    # repeated payloads (their header is the edge's last one), and they receive its new
+    # header. Every rank raises naming both calls; the next calls are correct.
+    odd = f"float32{list(odd_shape)}".replace(" ", "")
+    for message, after in run_distributed(_mismatch_after_repeats, 3, args=(odd_shape,)):
+        assert "float32[300000]" in message and odd in message.replace(" ", "")
+        for k, y in zip((2.0, 3.0), after, strict=True):
+            torch.testing.assert_close(y, torch.full((300_000,), k))
+
+
+def _plain_then_surviving():
+    from gossamer import transport
+
+    r, n = gossamer.rank(), gossamer.size()
+    x = torch.full((300_000,), float(r))
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    calls = [transport.exchange] * 2 + [transport.exchange_surviving] * 2 + [transport.exchange]
+    got = []
+    for call in calls:
+
+        def body(call=call):
+            received = call("neighbor_allreduce", x, {nxt: x}, [prv])
+            received = received.received if isinstance(received, transport.Survived) else received
+            return received[prv].clone()
+
+        got.append(transport.run("probe", body, False))
+    return got
+
+
+def test_the_elastic_exchange_shares_the_edges_with_the_plain_one():
+    for r, got in enumerate(run_distributed(_plain_then_surviving, 3)):
+        for y in got:
+            torch.testing.assert_close(y, torch.full((300_000,), float((r - 1) % 3)))

@@ -9,7 +9,9 @@ CUDA tensors travel apart, on tags of their own, so a stray data message can nev
 taken for a header. On gloo, the data travels at once, into receives sized from
 the receiver's own call, under a tag that depends on the byte count: a payload of another
 size matches none of them and is received, once its header has arrived, at the size the
-header gives (see :func:`_data_tag` and :func:`_receive`). Data travels as raw bytes
+header gives (see :func:`_data_tag` and :func:`_receive`). Between two ranks of one
+machine, a payload of 512 KiB or more travels without its header while the call repeats
+exactly (see :class:`_Edges`): one message instead of two. Data travels as raw bytes
 (:mod:`~gossamer.transport.payload`), so every dtype works on every backend. On the world
 group, bytes from a higher to a lower rank travel on :func:`~gossamer.context.reverse_group`
 where there is one, so the two directions of a pair swap use two connections.
@@ -29,6 +31,7 @@ torch 2.13): after a SIGKILL, the neighbours' transfers with the dead rank fail 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -80,6 +83,11 @@ MAX_CHUNKS = 32
 # exchange of 1e6 floats slower: its copy (about 1 ms with four ranks on two cores) costs
 # more than the header's own message (0.3-0.8 ms).
 _INLINE_BYTES = _CHUNK_BYTES - _HEAD_BYTES
+# Between two ranks of one machine, a payload of at least this size travels without its
+# header while the call repeats (see _Edges). A header's message (at most _CHUNK_BYTES)
+# into such a receive never reaches the receive's last 8 bytes.
+_STICKY_TAG = 0x6F02
+_STICKY_BYTES = 2 * _CHUNK_BYTES
 
 
 class Buffers:
@@ -266,34 +274,148 @@ def _receive(
     return flats, works
 
 
-def _firsts(
-    mine: Header, sends: Mapping[int, torch.Tensor]
-) -> tuple[list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]]:
-    """Each destination's first message (its header, then its payload if that fits) and rest.
+class _Edges:
+    """The last header this rank sent to, and received from, each peer (a runtime component).
 
-    Returns ``(destination, bytes)`` lists of first messages and of the payloads that travel
-    apart. A gloo message costs a round of notifications between the pair's threads; a
-    header that carries its payload saves one, at the price of copying the payload.
+    Both ends of a directed edge record the same header at the same call, because every
+    header message sent is received, in order. Where that header is large and the two
+    ranks share a machine (:func:`_sticky`), the edge's next first message travels on its
+    own tag, and a call that repeats the header exactly sends its payload alone: one gloo
+    message instead of two. The receiver cannot know in advance which of the two comes, so
+    it writes 8 random bytes at the end of its receive: a payload fills the receive and
+    overwrites them, a header's message (at most ``_CHUNK_BYTES``) leaves them.
+    """
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[str, int], Header] = {}
+        self.got: dict[tuple[str, int], Header] = {}
+
+
+def _edge(group: dist.ProcessGroup | None, peer: int) -> tuple[str, int]:
+    return ("" if group is None else group.group_name, _global(group, peer))
+
+
+def _sticky(last: Header | None, peer: int, group: dist.ProcessGroup | None) -> bool:
+    """Whether an edge whose last header was ``last`` may carry a payload without it."""
+    if last is None or nbytes_of(last.dtype, last.numel) < _STICKY_BYTES:
+        return False
+    layout = context.layout()
+    same = layout.machine_of[_global(group, peer)] == layout.machine_rank
+    return same and context.backend() == "gloo"
+
+
+def _wire(header: Header) -> Header:
+    """``header`` as its receiver decodes it (dims past the tenth folded)."""
+    return Header.decode(header.encode())
+
+
+def _firsts(
+    mine: Header, sends: Mapping[int, torch.Tensor], group: dist.ProcessGroup | None
+) -> tuple[dict[int, list[tuple[int, torch.Tensor]]], list[tuple[int, torch.Tensor]]]:
+    """Each destination's first message by tag, and the payloads that travel apart.
+
+    A first message is the header, then the payload if that fits (a gloo message costs a
+    round of notifications between the pair's threads; a header that carries its payload
+    saves one, at the price of copying the payload), or, on an edge where the call
+    repeats (:class:`_Edges`), the payload alone.
     """
     staging = context.runtime().component("transport.firsts_out", Buffers)
-    firsts, rests = [], []
+    edges = context.runtime().component("transport.edges", _Edges)
+    wire = _wire(mine)
+    firsts: dict[int, list[tuple[int, torch.Tensor]]] = {_HEADER_TAG: [], _STICKY_TAG: []}
+    rests = []
     for d, t in sends.items():
         payload = as_bytes(t)
+        last = edges.sent.get(_edge(group, d))
+        sticky = _sticky(last, d, group)
+        if sticky and last == wire and payload.device.type == "cpu":
+            firsts[_STICKY_TAG].append((d, payload))
+            continue
         fits = payload.device.type == "cpu" and payload.nbytes <= _INLINE_BYTES
         inline = payload.nbytes if fits else 0
         first = staging.get(_HEAD_BYTES + inline, _CPU, d)
         first[:_HEAD_BYTES].copy_(as_bytes(replace(mine, inline=inline).encode()))
         first[_HEAD_BYTES:].copy_(payload[:inline])
-        firsts.append((d, first))
+        firsts[_STICKY_TAG if sticky else _HEADER_TAG].append((d, first))
+        edges.sent[_edge(group, d)] = wire
         if payload.nbytes > inline:
             rests.append((d, payload))
     return firsts, rests
 
 
-def _inbox(sources: Sequence[int]) -> dict[int, torch.Tensor]:
+@dataclass
+class _Inbox:
+    """Each source's receive for its first message.
+
+    Attributes:
+        buffers: source -> receive buffer.
+        repeats: source -> the header its payload alone stands for (a sticky edge).
+        mark: the 8 bytes written at the end of each sticky edge's receive.
+    """
+
+    buffers: dict[int, torch.Tensor]
+    repeats: dict[int, Header]
+    mark: torch.Tensor
+
+
+def _inbox(sources: Sequence[int], group: dist.ProcessGroup | None) -> _Inbox:
     """A receive buffer per source for its first message, as large as it may be."""
-    inbox = context.runtime().component("transport.firsts_in", Buffers)
-    return {s: inbox.get(_CHUNK_BYTES, _CPU, s) for s in sources}
+    runtime = context.runtime()
+    edges = runtime.component("transport.edges", _Edges)
+    mark = torch.frombuffer(bytearray(os.urandom(8)), dtype=torch.uint8)
+    buffers, repeats = {}, {}
+    for s in sources:
+        last = edges.got.get(_edge(group, s))
+        if _sticky(last, s, group):
+            nbytes = nbytes_of(last.dtype, last.numel)
+            # The buffer the payload would arrive in apart, so the repeat costs no memory.
+            buffers[s] = runtime.component("transport.buffers", Buffers).get(nbytes, _CPU, s)
+            buffers[s][-8:].copy_(mark)
+            repeats[s] = last
+        else:
+            plain = runtime.component("transport.firsts_in", Buffers)
+            buffers[s] = plain.get(_CHUNK_BYTES, _CPU, s)
+    return _Inbox(buffers, repeats, mark)
+
+
+def _post_firsts(
+    firsts: Mapping[int, list[tuple[int, torch.Tensor]]],
+    inbox: _Inbox,
+    group: dist.ProcessGroup | None,
+    failed: dict[int, str] | None = None,
+) -> list[tuple[int, dist.Work]]:
+    """Post the first messages and their receives, one batch per tag."""
+    recvs: dict[int, list[tuple[int, torch.Tensor]]] = {_HEADER_TAG: [], _STICKY_TAG: []}
+    for s, buffer in inbox.buffers.items():
+        recvs[_STICKY_TAG if s in inbox.repeats else _HEADER_TAG].append((s, buffer))
+    posted = []
+    for tag, pairs in recvs.items():
+        if pairs or firsts[tag]:
+            posted += post_chunks(firsts[tag], pairs, group, tag, failed)
+    return posted
+
+
+def _read(
+    inbox: _Inbox, sources: Sequence[int], group: dist.ProcessGroup | None
+) -> tuple[dict[int, Header], dict[int, torch.Tensor]]:
+    """The headers of ``sources``' first messages and the payload bytes they carried."""
+    edges = context.runtime().component("transport.edges", _Edges)
+    theirs, carried = {}, {}
+    for s in sources:
+        first, last = inbox.buffers[s], inbox.repeats.get(s)
+        if last is not None and not torch.equal(first[-8:], inbox.mark):
+            theirs[s], carried[s] = replace(last, inline=first.nbytes), first
+            continue
+        theirs[s] = _decode(first)
+        carried[s] = first[_HEAD_BYTES : _HEAD_BYTES + theirs[s].inline]
+        edges.got[_edge(group, s)] = replace(theirs[s], inline=0)
+    return theirs, carried
+
+
+def _sent_bytes(
+    firsts: Mapping[int, list[tuple[int, torch.Tensor]]], rests: list[tuple[int, torch.Tensor]]
+) -> int:
+    return sum(t.nbytes for _, t in [*firsts[_HEADER_TAG], *firsts[_STICKY_TAG], *rests])
 
 
 def _decode(first: torch.Tensor) -> Header:
@@ -308,15 +430,12 @@ def _rest_sizes(theirs: Mapping[int, Header]) -> dict[int, int]:
 
 def _payloads(
     theirs: Mapping[int, Header],
-    inbox: Mapping[int, torch.Tensor],
+    carried: Mapping[int, torch.Tensor],
     rests: Mapping[int, torch.Tensor],
     device: torch.device,
 ) -> dict[int, torch.Tensor]:
     """Each source's payload bytes: from its first message, or its own receive."""
-    return {
-        s: rests[s] if s in rests else inbox[s][_HEAD_BYTES : _HEAD_BYTES + h.inline].to(device)
-        for s, h in theirs.items()
-    }
+    return {s: rests[s] if s in rests else carried[s].to(device) for s in theirs}
 
 
 def _headers_and_data(
@@ -337,16 +456,19 @@ def _headers_and_data(
     size (a mismatched call) is received once its header arrived: the header costs no
     round trip before the data. Otherwise they move after every header arrived.
     """
-    firsts, rests = _firsts(mine, sends)
-    inbox = _inbox(sources)
+    firsts, rests = _firsts(mine, sends, group)
+    inbox = _inbox(sources, group)
     expected = nbytes_of(mine.dtype, mine.numel)
-    apart = {s: expected for s in sources if expected > _INLINE_BYTES}
+    # A sticky edge's payload of this size arrives in its first message's buffer, or after
+    # its header, into the same buffer.
+    alone = [s for s in inbox.repeats if inbox.buffers[s].nbytes == expected]
+    apart = {s: expected for s in sources if s not in alone and expected > _INLINE_BYTES}
     with timeline.record(op, "communicating"):
-        first_works = post_chunks(firsts, list(inbox.items()), group, _HEADER_TAG)
+        first_works = _post_firsts(firsts, inbox, group)
         flats, works = _receive(apart, group, device) if early else ({}, [])
         sent = post_chunks(rests, [], group, _data_tag) if early else []
         wait_works(op, first_works)
-        theirs = {s: _decode(first) for s, first in inbox.items()}
+        theirs, carried = _read(inbox, sources, group)
         sizes = _rest_sizes(theirs)
         buffers = context.runtime().component("transport.buffers", Buffers)
         for s in [s for s in flats if flats[s].nbytes != sizes.get(s)]:
@@ -361,9 +483,9 @@ def _headers_and_data(
             device,
             [] if early else rests,
         )
-        count_sent(op, sum(t.nbytes for _, t in firsts + rests))
+        count_sent(op, _sent_bytes(firsts, rests))
         wait_works(op, works + late_works + sent)
-    return theirs, _payloads(theirs, inbox, flats | late, device)
+    return theirs, _payloads(theirs, carried, flats | late, device)
 
 
 def _text(data: torch.Tensor) -> str:
@@ -549,21 +671,22 @@ def exchange_surviving(
             rank whose heartbeat goes on.
     """
     mine = Header.of(op, tensor, epoch=epoch, codec=codec)
-    firsts, rests = _firsts(mine, sends)
-    inbox = _inbox(sources)
+    firsts, rests = _firsts(mine, sends, group)
+    inbox = _inbox(sources, group)
     with timeline.record(op, "communicating"):
         failed: dict[int, str] = {}
-        posted = post_chunks(firsts, list(inbox.items()), group, _HEADER_TAG, failed)
+        posted = _post_firsts(firsts, inbox, group, failed)
         failed.update(_wait_each(posted))
-        theirs = {s: _decode(f) for s, f in inbox.items() if _global(group, s) not in failed}
+        alive = [s for s in sources if _global(group, s) not in failed]
+        theirs, carried = _read(inbox, alive, group)
         rests = [(d, t) for d, t in rests if _global(group, d) not in failed]
         apart, posted = _receive(_rest_sizes(theirs), group, tensor.device, rests, failed)
-        count_sent(op, sum(t.nbytes for _, t in firsts + rests))
+        count_sent(op, _sent_bytes(firsts, rests))
         failed.update(_wait_each(posted))
     if failed:
         _confirm_dead(op, failed)
     theirs = {s: h for s, h in theirs.items() if _global(group, s) not in failed}
-    raw = _payloads(theirs, inbox, apart, tensor.device)
+    raw = _payloads(theirs, carried, apart, tensor.device)
     refused = {h.slot: _text(raw[s]) for s, h in theirs.items() if h.op == REJECTED}
     if refused:
         raise peer_argument_error(op, refused)
