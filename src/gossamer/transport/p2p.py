@@ -325,8 +325,8 @@ def _firsts(
     firsts: dict[int, list[tuple[int, torch.Tensor]]] = {_HEADER_TAG: [], _STICKY_TAG: []}
     rests = []
     for d, t in sends.items():
-        payload = as_bytes(t)
-        last = edges.sent.get(_edge(group, d))
+        payload, edge = as_bytes(t), _edge(group, d)
+        last = edges.sent.get(edge)
         sticky = _sticky(last, d, group)
         if sticky and last == wire and payload.device.type == "cpu":
             firsts[_STICKY_TAG].append((d, payload))
@@ -337,7 +337,7 @@ def _firsts(
         first[:_HEAD_BYTES].copy_(as_bytes(replace(mine, inline=inline).encode()))
         first[_HEAD_BYTES:].copy_(payload[:inline])
         firsts[_STICKY_TAG if sticky else _HEADER_TAG].append((d, first))
-        edges.sent[_edge(group, d)] = wire
+        edges.sent[edge] = wire
         if payload.nbytes > inline:
             rests.append((d, payload))
     return firsts, rests
