@@ -1,17 +1,18 @@
 """Point-to-point exchanges and same-call checks, each preceded by a call header.
 
 With its data, every neighbour exchange sends a :class:`~gossamer.transport.header.Header`
-(operation, dtype, shape). The receiver checks it against its own call, so a peer that
-called another operation or passed another shape produces an error naming both sides, not
-garbage or a hang. A payload of up to 256 KiB (less the header) travels in its header's
-message: every header receive is sized for one (see :func:`_firsts`). Larger payloads and
-CUDA tensors travel apart, on tags of their own, so a stray data message can never be
-taken for a header. On gloo, the data travels at once, into receives sized from
-the receiver's own call, under a tag that depends on the byte count: a payload of another
-size matches none of them and is received, once its header has arrived, at the size the
-header gives (see :func:`_data_tag` and :func:`_receive`). Between two ranks of one
-machine, a payload of 512 KiB or more travels without its header while the call repeats
-exactly (see :class:`_Edges`): one message instead of two. Data travels as raw bytes
+(operation, dtype, shape), or a payload that stands for the edge's last header (below). The
+receiver checks it against its own call, so a peer that called another operation or passed
+another shape produces an error naming both sides, not garbage or a hang. A payload of up to
+256 KiB (less the header) travels in its header's message: every header receive is sized for
+one (see :func:`_firsts`). Larger payloads and CUDA tensors travel apart, on tags of their
+own, so a stray data message can never be taken for a header. On gloo, the data travels at
+once, into receives sized from the receiver's own call, under a tag that depends on the byte
+count: a payload of another size matches none of them and is received, once its header has
+arrived, at the size the header gives (see :func:`_data_tag` and :func:`_receive`). Between
+two ranks of one machine, a payload of 512 KiB or more travels without its header while the
+call repeats exactly, on the headers' tag of that edge, told apart from a header by content
+(see :class:`_Edges`): one message instead of two. Data travels as raw bytes
 (:mod:`~gossamer.transport.payload`), so every dtype works on every backend. On the world
 group, bytes from a higher to a lower rank travel on :func:`~gossamer.context.reverse_group`
 where there is one, so the two directions of a pair swap use two connections.
