@@ -627,3 +627,34 @@ def test_the_elastic_exchange_shares_the_edges_with_the_plain_one():
     for r, got in enumerate(run_distributed(_plain_then_surviving, 3)):
         for y in got:
             torch.testing.assert_close(y, torch.full((300_000,), float((r - 1) % 3)))
+
+
+def _world_and_subgroup_calls():
+    from gossamer import profiling
+
+    n, r = gossamer.size(), gossamer.rank()
+    odd = dist.new_group([k for k in range(n) if k % 2 == 1])
+    world, pair = [], []
+    for k in range(3):
+        world.append(gossamer.neighbor_allreduce(data(r, (300_000,), seed=k)))
+        if r % 2 == 1:
+            profiling.reset_bytes_sent()
+            x = data(r, (200_000,), seed=k)
+            y = gossamer.neighbor_allreduce(x, topology=topo.fully_connected(n // 2), group=odd)
+            pair.append((y, profiling.bytes_sent()))
+    return world, pair
+
+
+def test_the_edges_of_a_subgroup_are_its_own():
+    # Ranks 1 and 3 alternate a world call and a call on their own group, of other shapes:
+    # each edge remembers its group's last header, so both repeat without headers.
+    got = run_distributed(_world_and_subgroup_calls, 4)
+    graph = topo.exponential_two(4)
+    for k in range(3):
+        inputs = [data(r, (300_000,), seed=k) for r in range(4)]
+        assert_all_close([w[k] for w, _ in got], mix(graph.weights, inputs), torch.float32)
+        mean = (data(1, (200_000,), seed=k).double() + data(3, (200_000,), seed=k).double()) / 2
+        for r in (1, 3):
+            y, sent = got[r][1][k]
+            assert_all_close([y], [mean], torch.float32)
+            assert sent == 800_000 + (22 * 8 if k == 0 else 0)
