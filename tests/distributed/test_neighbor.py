@@ -10,6 +10,7 @@ import gossamer
 from gossamer import topology as topo
 from gossamer.errors import CommunicationTimeout, PeerError
 from gossamer.testing import run_distributed
+from gossamer.transport import HEADER_LEN
 from oracle import assert_all_close, data, mix
 
 SIZES = [1, 2, 3, 4]
@@ -519,7 +520,7 @@ def test_large_mismatched_shapes_raise_not_abort(machines):
 
 
 def _first_messages(numel):
-    from gossamer.transport import HEADER_LEN, Header, p2p
+    from gossamer.transport import Header, p2p
 
     x = data(gossamer.rank(), shape=(numel,))
     peer = 1 - gossamer.rank()
@@ -569,7 +570,7 @@ def test_a_repeated_call_on_one_machine_sends_its_payload_alone(machines, world_
     # of the full weight matrix in every case.
     got = run_distributed(_repeated_calls, world_size, args=(REPEATS,), env=MACHINES[machines])
     graph = topo.fully_connected(world_size)
-    peers, head = world_size - 1, 22 * 8
+    peers, head = world_size - 1, HEADER_LEN * 8
     sticky = machines == "one machine"
     repeat = [False, True, True, False, True, False, False, True]
     for k, shape in enumerate(REPEATS):
@@ -657,4 +658,4 @@ def test_the_edges_of_a_subgroup_are_its_own():
         for r in (1, 3):
             y, sent = got[r][1][k]
             assert_all_close([y], [mean], torch.float32)
-            assert sent == 800_000 + (22 * 8 if k == 0 else 0)
+            assert sent == 800_000 + (HEADER_LEN * 8 if k == 0 else 0)
