@@ -451,7 +451,8 @@ def _headers_and_data(
     """Send ``mine`` and ``sends[d]`` to every ``d``; receive both from every source.
 
     Returns the sources' headers and their payloads (flat bytes, sized from the headers).
-    A payload that fits travels in its header's message (:func:`_firsts`). With ``early``
+    A payload that fits travels in its header's message, and on an edge that repeats its
+    last call, a payload travels alone in its place (:func:`_firsts`). With ``early``
     (gloo only: it posts receives and sends apart), the other payloads are sent and
     received with the headers, each receive sized from ``mine``, and a payload of another
     size (a mismatched call) is received once its header arrived: the header costs no
