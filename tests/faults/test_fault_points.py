@@ -200,8 +200,8 @@ def _check_point(point, procs, outputs, mark):
             problems.append(f"rank {r} raised {delay:.1f} s after the kill: {report}")
         elif report["next"] != "RankLostError" or report["next_s"] > 1.0:
             problems.append(f"rank {r}: the next call gave {report}")
-        elif _exit_after(mark, r, report) > TIMEOUT_S / 2:
-            problems.append(f"rank {r} ended {_exit_after(mark, r, report):.1f} s after raising")
+        elif (late := _exit_after(mark, r, report)) > TIMEOUT_S / 2:
+            problems.append(f"rank {r} ended {late:.1f} s after raising")
     return problems, delays
 
 

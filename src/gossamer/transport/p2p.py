@@ -363,18 +363,18 @@ def _inbox(sources: Sequence[int], group: dist.ProcessGroup | None) -> _Inbox:
     """A receive buffer per source for its first message, as large as it may be."""
     runtime = context.runtime()
     edges = runtime.component("transport.edges", _Edges)
+    # A repeated payload arrives in the buffer it would arrive in apart: no extra memory.
+    data = runtime.component("transport.buffers", Buffers)
+    plain = runtime.component("transport.firsts_in", Buffers)
     mark = torch.frombuffer(bytearray(os.urandom(8)), dtype=torch.uint8)
     buffers, repeats = {}, {}
     for s in sources:
         last = edges.got.get(_edge(group, s))
         if _sticky(last, s, group):
-            nbytes = nbytes_of(last.dtype, last.numel)
-            # The buffer the payload would arrive in apart, so the repeat costs no memory.
-            buffers[s] = runtime.component("transport.buffers", Buffers).get(nbytes, _CPU, s)
+            buffers[s] = data.get(nbytes_of(last.dtype, last.numel), _CPU, s)
             buffers[s][-8:].copy_(mark)
             repeats[s] = last
         else:
-            plain = runtime.component("transport.firsts_in", Buffers)
             buffers[s] = plain.get(_CHUNK_BYTES, _CPU, s)
     return _Inbox(buffers, repeats, mark)
 
