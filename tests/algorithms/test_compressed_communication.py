@@ -299,6 +299,29 @@ def test_compression_options_are_checked():
     assert isinstance(
         communicators.make("allreduce", compression="sign"), communicators.CompressedAllreduce
     )
+    # CHOCO always compensates the error: True is what it does, False cannot be honoured.
+    choco = communicators.make(compression="topk:0.1", error_feedback=True)
+    assert isinstance(choco, communicators.ChocoGossip)
+    with pytest.raises(ValueError, match=r"error_feedback=False with compression='topk:0.1'"):
+        communicators.make(compression="topk:0.1", error_feedback=False)
+    with pytest.raises(TypeError, match="error_feedback must be a bool or None; got 'yes'"):
+        communicators.make(compression="topk:0.1", error_feedback="yes")
+
+
+def test_a_state_of_another_configuration_is_refused_at_load():
+    topk = communicators.CompressedAllreduce("topk:0.1")
+    state = topk.state_dict()
+    with pytest.raises(ValueError, match=r"saved with error_feedback=True.*runs error_feedback=F"):
+        communicators.CompressedAllreduce("topk:0.1", error_feedback=False).load_state_dict(state)
+    plain = communicators.CompressedAllreduce("topk:0.1", error_feedback=False).state_dict()
+    with pytest.raises(ValueError, match=r"saved with error_feedback=False"):
+        topk.load_state_dict(plain)
+    with pytest.raises(ValueError, match=r"compression='topk:0.1'; this .* compression='sign'"):
+        communicators.CompressedAllreduce("sign").load_state_dict(state)
+    choco = communicators.ChocoGossip("uint8").state_dict()
+    with pytest.raises(ValueError, match=r"'uint8'; this ChocoGossip runs compression='qsgd"):
+        communicators.ChocoGossip("qsgd:16").load_state_dict(choco)
+    topk.load_state_dict(state)  # its own state loads
 
 
 def test_payload_travels_as_bytes():

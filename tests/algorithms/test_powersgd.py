@@ -85,6 +85,7 @@ def test_powersgd_spec_and_options_are_checked():
     comm = communicators.make("allreduce", compression="powersgd:4")
     assert isinstance(comm, communicators.PowerSGDAllreduce) and comm.rank == 4
     assert communicators.make("allreduce", compression="powersgd").state.use_error_feedback
+    assert communicators.make("allreduce", compression=" PowerSGD:2 ").rank == 2  # as the others
     with pytest.raises(ValueError, match="powersgd:<rank"):
         communicators.make("allreduce", compression="powersgd:0")
     with pytest.raises(ValueError, match="communication='allreduce'"):

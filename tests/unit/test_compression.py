@@ -164,6 +164,23 @@ def test_in_place_sums_add_exactly_what_decompress_returns(compressor, dtype, sh
         assert torch.equal(compressor.decompress_add_(payload, column_major), expected)
 
 
+@pytest.mark.parametrize("compressor", COMPRESSORS.values(), ids=COMPRESSORS.keys())
+@pytest.mark.parametrize("rows", [1, 5], ids=["one-element", "five-elements"])
+def test_strided_inputs_encode_like_their_copies(compressor, rows):
+    # A column of a row-major matrix; torch calls the one-element column contiguous.
+    column = _tensor((rows, 3), torch.float32, seed=4)[:, 0]
+    fused, plain = copy.deepcopy(compressor), copy.deepcopy(compressor)
+    assert torch.equal(fused.compress(column).buffer, plain.compress(column.clone()).buffer)
+
+
+def test_a_strided_target_that_requires_grad_is_summed_into_without_autograd():
+    c, x = MinMaxUInt8(), torch.ones(4)
+    weight = torch.zeros(4, 2, requires_grad=True)
+    payload = c.compress_add_(x, weight[:, 0])
+    c.decompress_add_(payload, weight[:, 1])
+    assert torch.equal(weight.detach(), torch.ones(4, 2)) and weight.grad_fn is None
+
+
 def test_in_place_sums_check_their_target():
     c, x = MinMaxUInt8(), torch.ones(4)
     payload = c.compress(x)
@@ -207,7 +224,7 @@ def test_no_compression_passes_every_dtype(dtype):
 @pytest.mark.parametrize(
     "compressor", [c for k, c in COMPRESSORS.items() if k != "none"], ids=list(COMPRESSORS)[1:]
 )
-@pytest.mark.parametrize("dtype", [torch.int64, torch.bool], ids=str)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn], ids=str)
 def test_non_floating_tensors_are_refused_naming_argument_and_dtype(compressor, dtype):
     with pytest.raises(TypeError, match=rf"tensor must have a floating dtype.*{dtype}"):
         compressor.compress(torch.zeros(4, dtype=dtype))

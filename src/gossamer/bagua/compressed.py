@@ -79,13 +79,13 @@ class _Compressed(RankStreams, GroupCommunicator):
 
     def state_dict(self) -> dict:
         """Rounds and the compressor's stream position."""
-        return {**super().state_dict(), "compressor": self.compressor.state_dict()}
+        return {**super().state_dict(), **self._compression_state()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output."""
         super().load_state_dict(state)
         self._use_rank_streams()
-        self.compressor.load_state_dict(state.get("compressor", {}))
+        self._load_compression_state(state)
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         self._use_rank_streams()

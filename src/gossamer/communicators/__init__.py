@@ -125,7 +125,8 @@ def make(
     ``schedule``, ``global_average_every`` or ``error_feedback``.
     With a ``compression`` other than ``"none"``, neighbour averaging becomes
     :class:`ChocoGossip` and ``allreduce`` :class:`CompressedAllreduce` (``error_feedback``
-    applies to the latter; CHOCO's public copies already compensate the error).
+    applies to the latter; CHOCO's public copies always compensate the error, so it takes
+    ``None`` or ``True`` and refuses ``False``).
     ``compression="powersgd"`` or ``"powersgd:<rank>"`` (``"allreduce"`` only) is torch's
     PowerSGD (:class:`PowerSGDAllreduce`, error feedback unless ``error_feedback=False``).
 
@@ -135,13 +136,15 @@ def make(
     Raises:
         ValueError: an unknown name, both ``topology`` and ``schedule``, compression with
             a communication that has no compressed form, ``elastic`` with a pattern
-            other than ``"neighbor_allreduce"``, or an option ``"difference_gossip"``
-            does not take.
-        TypeError: a ``topology`` or ``schedule`` of the wrong type.
+            other than ``"neighbor_allreduce"``, an option ``"difference_gossip"``
+            does not take, or ``error_feedback=False`` with CHOCO.
+        TypeError: a ``topology``, ``schedule`` or ``error_feedback`` of the wrong type.
     """
     if communication not in COMMUNICATIONS:
         raise ValueError(f"communication must be one of {COMMUNICATIONS}; got {communication!r}")
     check_topology(topology)
+    if error_feedback is not None and not isinstance(error_feedback, bool):
+        raise TypeError(f"error_feedback must be a bool or None; got {error_feedback!r}")
     if schedule is not None and not hasattr(schedule, "__next__"):
         raise TypeError(f"schedule must be an iterator of topology.Step; got {schedule!r}")
     if topology is not None and schedule is not None:
@@ -182,6 +185,12 @@ def make(
         raise ValueError(f"error_feedback={error_feedback!r} needs a compression; got none")
     if compressor.name != "none":
         if communication == "neighbor_allreduce":
+            if error_feedback is False:
+                raise ValueError(
+                    f"error_feedback=False with compression={compressor.name!r}: compressed "
+                    "neighbour averaging is CHOCO-gossip, whose public copies always "
+                    "compensate the compression error; leave error_feedback unset"
+                )
             return ChocoGossip(
                 compressor, topology=topology, schedule=schedule, elastic=elastic, **every
             )

@@ -186,6 +186,12 @@ class ChocoGossip(RankStreams, Scheduled):
         copies = self.copies.setdefault(index, {})
         if key not in copies:
             copies[key] = torch.zeros_like(like)
+        elif copies[key].shape != like.shape:  # loaded from a state of another model
+            raise ValueError(
+                f"ChocoGossip bucket {index}: the public copy {key} holds "
+                f"{copies[key].numel()} elements, the bucket {like.numel()} (was the "
+                "state_dict saved for another model or bucket size?)"
+            )
         return copies[key]
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
@@ -318,16 +324,16 @@ class ChocoGossip(RankStreams, Scheduled):
     def state_dict(self) -> dict:
         """Rounds, schedule position, the compressor's state and every public copy."""
         copies = {i: {k: t.clone() for k, t in c.items()} for i, c in self.copies.items()}
-        return {
-            **super().state_dict(),
-            "compressor": self.compressor.state_dict(),
-            "copies": copies,
-        }
+        return {**super().state_dict(), **self._compression_state(), "copies": copies}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output."""
+        """Restore :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: ``state`` was saved with another compressor.
+        """
         super().load_state_dict(state)
-        self.compressor.load_state_dict(state.get("compressor", {}))
+        self._load_compression_state(state)
         self.copies = {
             int(i): {tuple(k): t.clone() for k, t in c.items()}
             for i, c in state.get("copies", {}).items()

@@ -87,13 +87,32 @@ class RankStreams:
 
     compressor: Compressor
     _ranked = False
+    _given = ""  # the compressor's name as given, before a per-rank seed
 
     def _use_rank_streams(self) -> None:
         """Give the compressor this rank's random stream, once the rank is known."""
         if not self._ranked:
             mine = rank_compressor(self.compressor)
             if mine is not None:
+                self._given = self.compressor.name
                 self.compressor, self._ranked = mine, True
+
+    def _compression_state(self) -> dict:
+        """The compressor's name (the same on every rank) and its state, for ``state_dict``."""
+        return {"compression": self._given_name(), "compressor": self.compressor.state_dict()}
+
+    def _load_compression_state(self, state: dict) -> None:
+        """Restore :meth:`_compression_state`, refusing a state of another compressor."""
+        saved, mine = state.get("compression"), self._given_name()
+        if saved is not None and saved != mine:
+            raise ValueError(
+                f"state was saved with compression={saved!r}; this {type(self).__name__} "
+                f"runs compression={mine!r}"
+            )
+        self.compressor.load_state_dict(state.get("compressor", {}))
+
+    def _given_name(self) -> str:
+        return self._given if self._ranked else self.compressor.name
 
 
 class CompressedAllreduce(RankStreams, Communicator):
@@ -209,14 +228,25 @@ class CompressedAllreduce(RankStreams, Communicator):
 
     def state_dict(self) -> dict:
         """Rounds, the compressor's state and the error-feedback residuals."""
-        state = {**super().state_dict(), "compressor": self.compressor.state_dict()}
+        state = {**super().state_dict(), **self._compression_state()}
         if self.feedback is not None:
             state["feedback"] = self.feedback.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output."""
+        """Restore :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: ``state`` was saved with another compressor, or with error feedback
+                where this communicator has none (or the reverse).
+        """
+        if ("feedback" in state) != (self.feedback is not None):
+            saved = "feedback" in state
+            raise ValueError(
+                f"state was saved with error_feedback={saved}; this CompressedAllreduce runs "
+                f"error_feedback={not saved}"
+            )
         super().load_state_dict(state)
-        self.compressor.load_state_dict(state.get("compressor", {}))
-        if self.feedback is not None and "feedback" in state:
+        self._load_compression_state(state)
+        if self.feedback is not None:
             self.feedback.load_state_dict(state["feedback"])

@@ -295,18 +295,14 @@ class DifferenceGossip(Arrivals, RankStreams, Communicator):
         """
         self._take()
         replicas = {i: {k: t.clone() for k, t in r.items()} for i, r in self.replicas.items()}
-        return {
-            **super().state_dict(),
-            "replicas": replicas,
-            "compressor": self.compressor.state_dict(),
-        }
+        return {**super().state_dict(), "replicas": replicas, **self._compression_state()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (after the differences still arriving)."""
         self._take()
         super().load_state_dict(state)
         self._use_rank_streams()
-        self.compressor.load_state_dict(state.get("compressor", {}))
+        self._load_compression_state(state)
         self.replicas = {
             int(i): {k: t.clone() for k, t in r.items()}
             for i, r in state.get("replicas", {}).items()

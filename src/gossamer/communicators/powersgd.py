@@ -48,9 +48,11 @@ def parse_powersgd(spec: object) -> int | None:
     Raises:
         ValueError: a ``powersgd`` spec whose rank is not an integer >= 1.
     """
-    if not isinstance(spec, str) or spec.split(":")[0] != "powersgd":
+    if not isinstance(spec, str):
         return None
-    parts = spec.split(":")
+    parts = [part.strip().lower() for part in spec.strip().split(":")]  # as get_compressor
+    if parts[0] != "powersgd":
+        return None
     if len(parts) == 1:
         return 1
     if len(parts) == 2 and parts[1].isdigit() and int(parts[1]) >= 1:

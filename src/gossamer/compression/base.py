@@ -14,6 +14,9 @@ from gossamer.compression._common import format_value
 
 __all__ = ["Compressor", "Payload"]
 
+#: The dtypes every compressor but ``none`` encodes (float8 has no arithmetic to quantize with).
+FLOATING_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
 
 @dataclass(frozen=True, eq=False)
 class Payload:
@@ -135,11 +138,11 @@ class Compressor(abc.ABC):
             TypeError: ``tensor`` is not a tensor, or its dtype is not floating.
         """
         self._check_tensor(tensor)
-        flat = tensor.detach().reshape(-1)
+        flat = _dense(tensor)
         if flat.numel() == 0:
             buffer = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         else:
-            buffer = self._encode(flat.contiguous())
+            buffer = self._encode(flat)
         return Payload(buffer, tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
@@ -150,8 +153,9 @@ class Compressor(abc.ABC):
                 rebuilt from the bytes a peer sent with the same compressor configuration.
 
         Returns:
-            ``D(C(x))``: a new tensor (it may share memory with ``payload.buffer`` for
-            :class:`NoCompression`).
+            ``D(C(x))``: a new tensor, except that it may share memory with
+            ``payload.buffer`` (and so with ``x``) for :class:`NoCompression` and for a cast
+            to the tensor's own dtype (``fp16`` of a float16 tensor, ``bf16`` of bfloat16).
 
         Raises:
             TypeError: ``payload`` is not a :class:`Payload`, or its dtype is not floating.
@@ -175,7 +179,7 @@ class Compressor(abc.ABC):
         """
         self._check_tensor(tensor)
         self._check_target(target, tensor.shape, tensor.dtype, tensor.device)
-        flat = tensor.detach().reshape(-1).contiguous()
+        flat = _dense(tensor)
         if flat.numel() == 0:
             return self.compress(tensor)
         if not target.is_contiguous():
@@ -201,7 +205,8 @@ class Compressor(abc.ABC):
         if numel == 0:
             return target
         if not target.is_contiguous():
-            return target.add_(self.decompress(payload))
+            with torch.no_grad():  # a view of a leaf that requires grad, like the fused path
+                return target.add_(self.decompress(payload))
         with torch.no_grad():
             self._decode_add(payload.buffer, numel, payload.dtype, target.view(-1))
         return target
@@ -273,8 +278,11 @@ class Compressor(abc.ABC):
     def _check_dtype(self, dtype: object, argument: str) -> None:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"{argument} must be a torch.dtype; got {dtype!r}")
-        if not dtype.is_floating_point:
-            raise TypeError(f"{argument} must have a floating dtype for {self.name!r}; got {dtype}")
+        if dtype not in FLOATING_DTYPES:
+            raise TypeError(
+                f"{argument} must have a floating dtype (float16, bfloat16, float32 or "
+                f"float64) for {self.name!r}; got {dtype}"
+            )
 
     @abc.abstractmethod
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
@@ -299,6 +307,15 @@ class Compressor(abc.ABC):
     @abc.abstractmethod
     def _nbytes(self, numel: int, dtype: torch.dtype) -> int:
         """Return the payload size for ``numel > 0`` elements (upper bound if not exact)."""
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` flattened, with stride 1.
+
+    torch calls a one-element tensor of any stride contiguous; ``view(torch.uint8)`` refuses it.
+    """
+    flat = tensor.detach().reshape(-1)
+    return flat.as_strided((1,), (1,)) if flat.numel() == 1 else flat.contiguous()
 
 
 def spec_fields(compressor: Compressor | type[Compressor]) -> list[dataclasses.Field[Any]]:

@@ -89,6 +89,7 @@ def get_compressor(
         raise ValueError(
             f"{argument}={spec!r}: unknown compressor {name!r}; valid: "
             + ", ".join(available_compressors())
+            + " ('powersgd[:<rank>]', torch's PowerSGD hook, is for gradient allreduce only)"
         )
     try:
         return cls(**_parse(cls, params))
