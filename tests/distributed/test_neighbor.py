@@ -244,6 +244,24 @@ def test_neighbor_allgather_static(world_size, name):
         assert torch.equal(y, expected)
 
 
+MANY_DIMS = (1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 3, 2)  # past the ten dims a call header spells out
+
+
+def _many_dims(graph):
+    x = data(gossamer.rank(), shape=MANY_DIMS, dtype=torch.float64)
+    return gossamer.neighbor_allreduce(x, topology=graph), gossamer.neighbor_allgather(x)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tensors_of_more_dims_than_the_header_spells_out(world_size):
+    graph = topo.exponential_two(world_size)
+    inputs = [data(r, shape=MANY_DIMS, dtype=torch.float64) for r in range(world_size)]
+    expected = mix(graph.weights, inputs)
+    for r, (mixed, gathered) in enumerate(run_distributed(_many_dims, world_size, args=(graph,))):
+        assert mixed.shape == MANY_DIMS and torch.allclose(mixed, expected[r])
+        assert torch.equal(gathered, torch.cat([inputs[s] for s in graph.in_neighbors(r)]))
+
+
 def _allgather_dynamic(seed):
     r, n = gossamer.rank(), gossamer.size()
     others = [s for s in range(n) if s != r]

@@ -524,13 +524,32 @@ def exchange(
     refused = {h.slot: _text(raw[s]) for s, h in theirs.items() if h.op == REJECTED}
     if refused:
         raise peer_argument_error(op, refused)
-    wrong = [s for s, h in theirs.items() if not mine.matches(h, any_first_dim)]
+    _check_match(op, mine, theirs, group, any_first_dim)
+    return {s: from_bytes(raw[s], h.dtype, _shape(h, mine)) for s, h in theirs.items()}
+
+
+def _check_match(
+    op: str,
+    mine: Header,
+    theirs: Mapping[int, Header],
+    group: dist.ProcessGroup | None,
+    any_first_dim: bool = False,
+) -> None:
+    """Raise :class:`PeerError` naming every source whose call differs from ``mine``."""
+    wire = _wire(mine)  # the peers' headers were decoded, dims past the tenth folded
+    wrong = [s for s, h in theirs.items() if not wire.matches(h, any_first_dim)]
     if wrong:
         text = "; ".join(f"rank {_global(group, s)} called {theirs[s].describe()}" for s in wrong)
         raise PeerError(
             f"{op}: mismatched call: rank {context.rank()} called {mine.describe()}, but {text}"
         )
-    return {s: from_bytes(raw[s], h.dtype, h.shape) for s, h in theirs.items()}
+
+
+def _shape(theirs: Header, mine: Header) -> tuple[int, ...]:
+    """The shape of a matching source's tensor: its header's, unfolded by this rank's own."""
+    if len(theirs.shape) == len(mine.shape):
+        return theirs.shape
+    return (theirs.shape[0], *mine.shape[1:])
 
 
 def exchange_rejected(
@@ -692,12 +711,7 @@ def exchange_surviving(
     refused = {h.slot: _text(raw[s]) for s, h in theirs.items() if h.op == REJECTED}
     if refused:
         raise peer_argument_error(op, refused)
-    wrong = [s for s, h in theirs.items() if not mine.matches(h)]
-    if wrong:
-        text = "; ".join(f"rank {_global(group, s)} called {theirs[s].describe()}" for s in wrong)
-        raise PeerError(
-            f"{op}: mismatched call: rank {context.rank()} called {mine.describe()}, but {text}"
-        )
-    received = {s: from_bytes(raw[s], h.dtype, h.shape) for s, h in theirs.items()}
+    _check_match(op, mine, theirs, group)
+    received = {s: from_bytes(raw[s], h.dtype, _shape(h, mine)) for s, h in theirs.items()}
     top = max([epoch, *(h.epoch for h in theirs.values())])
     return Survived(received, set(failed), top)
