@@ -74,6 +74,47 @@ def test_static_choco_matches_the_one_process_simulation(world_size):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
 
 
+def _alternating_steps(r, n, rounds):
+    """One successor, then two, in turn: the destinations' STC payloads differ in size."""
+    for k in range(rounds):
+        hops = (1,) if k % 2 == 0 else (1, 2)
+        yield topo.Step.uniform([(r + h) % n for h in hops], [(r - h) % n for h in hops])
+
+
+def _choco_alternating(spec, rounds):
+    r, n = gossamer.rank(), gossamer.size()
+    comm = communicators.ChocoGossip(spec, schedule=_alternating_steps(r, n, rounds))
+    return _run_rounds(comm, _start(r, 4000), rounds)
+
+
+def _simulate_edged_choco(spec, n, rounds):
+    """Scheduled CHOCO in one process, a public copy per directed edge (i, d)."""
+    c = get_compressor(spec)
+    gamma = communicators.default_gamma(c)
+    xs = [_start(r, 4000) for r in range(n)]
+    hat = {}
+    for steps in zip(*(_alternating_steps(r, n, rounds) for r in range(n)), strict=True):
+        for i, step in enumerate(steps):
+            for d in step.send_ranks:
+                h = hat.setdefault((i, d), torch.zeros_like(xs[i]))
+                hat[i, d] = h + c.decompress(c.compress(xs[i] - h))
+        new = []
+        for i, step in enumerate(steps):
+            own = sum(hat[i, d] for d in step.send_ranks) / len(step.send_ranks)
+            pull = sum(w * (hat[s, i] - own) for s, w in step.src_weights.items())
+            new.append(xs[i] + gamma * pull)
+        xs = new
+    return xs
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_scheduled_choco_with_payloads_of_several_sizes_matches_the_simulation(world_size):
+    got = run_distributed(_choco_alternating, world_size, args=("stc:0.01", 6))
+    want = _simulate_edged_choco("stc:0.01", world_size, 6)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
+
+
 def _result_buffers(kind, rounds):
     graph = topo.exponential_two(gossamer.size())
     if kind == "choco":

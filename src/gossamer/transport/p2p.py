@@ -326,19 +326,23 @@ def _firsts(
     firsts: dict[int, list[tuple[int, torch.Tensor]]] = {_HEADER_TAG: [], _STICKY_TAG: []}
     rests = []
     for d, t in sends.items():
+        head, head_wire = mine, wire
+        if tuple(t.shape) != mine.shape or t.dtype != mine.dtype:  # e.g. per-edge STC sizes
+            head = replace(mine, dtype=t.dtype, shape=tuple(t.shape))
+            head_wire = _wire(head)
         payload, edge = as_bytes(t), _edge(group, d)
         last = edges.sent.get(edge)
         sticky = _sticky(last, d, group)
-        if sticky and last == wire and payload.device.type == "cpu":
+        if sticky and last == head_wire and payload.device.type == "cpu":
             firsts[_STICKY_TAG].append((d, payload))
             continue
         fits = payload.device.type == "cpu" and payload.nbytes <= _INLINE_BYTES
         inline = payload.nbytes if fits else 0
         first = staging.get(_HEAD_BYTES + inline, _CPU, d)
-        first[:_HEAD_BYTES].copy_(as_bytes(replace(mine, inline=inline).encode()))
+        first[:_HEAD_BYTES].copy_(as_bytes(replace(head, inline=inline).encode()))
         first[_HEAD_BYTES:].copy_(payload[:inline])
         firsts[_STICKY_TAG if sticky else _HEADER_TAG].append((d, first))
-        edges.sent[edge] = wire
+        edges.sent[edge] = head_wire
         if payload.nbytes > inline:
             rests.append((d, payload))
     return firsts, rests
@@ -508,7 +512,9 @@ def exchange(
 
     Ranks are ranks of ``group``. ``tensor`` is this rank's argument, against which the
     peers' headers are checked (all dims, or all but the first with ``any_first_dim``),
-    and the payload codec: a compressed payload names its compressor with ``codec``.
+    and the payload codec: a compressed payload names its compressor with ``codec``. A
+    ``sends[d]`` of another shape or dtype than ``tensor`` (a per-edge payload of variable
+    size) travels under a header of its own shape.
 
     The returned tensors are reused by the next exchange: consume them before returning.
 
