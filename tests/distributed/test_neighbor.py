@@ -1,4 +1,5 @@
 import math
+import threading
 from datetime import timedelta
 
 import numpy as np
@@ -8,6 +9,7 @@ import torch.distributed as dist
 
 import gossamer
 from gossamer import topology as topo
+from gossamer import transport
 from gossamer.errors import CommunicationTimeout, PeerError
 from gossamer.testing import run_distributed
 from gossamer.transport import HEADER_LEN
@@ -260,6 +262,30 @@ def test_tensors_of_more_dims_than_the_header_spells_out(world_size):
     for r, (mixed, gathered) in enumerate(run_distributed(_many_dims, world_size, args=(graph,))):
         assert mixed.shape == MANY_DIMS and torch.allclose(mixed, expected[r])
         assert torch.equal(gathered, torch.cat([inputs[s] for s in graph.in_neighbors(r)]))
+
+
+def _two_threads(rounds):
+    # Bagua's asynchronous averaging exchanges on a thread and a gloo group of its own.
+    r, peer = gossamer.rank(), 1 - gossamer.rank()
+    group = dist.new_group([0, 1], backend="gloo")
+    got = []
+
+    def background():
+        mine = torch.full((1000,), 100.0 + r)
+        for _ in range(rounds):
+            got.append(transport.exchange("pair_gossip", mine, {peer: mine}, [peer], group)[peer])
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    x = torch.full((1000,), float(r))
+    mixed = [gossamer.neighbor_allreduce(x, topology=topo.ring(2)) for _ in range(rounds)]
+    thread.join()
+    return [float(t.min()) for t in got] + [float(t.max()) for t in got], mixed
+
+
+def test_a_thread_of_its_own_on_a_group_of_its_own_shares_no_buffers():
+    for r, (values, mixed) in enumerate(run_distributed(_two_threads, 2, args=(100,))):
+        assert set(values) == {100.0 + 1 - r} and all(torch.all(y == 0.5) for y in mixed)
 
 
 def _allgather_dynamic(seed):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -95,30 +96,34 @@ class Buffers:
     """Receive buffers reused across calls, at most ``limit_bytes`` in all.
 
     A fresh multi-megabyte allocation costs page faults on every call. Operations run one
-    at a time on the communication thread and consume their buffers before they return, so
-    one buffer per (peer, size in bytes) suffices. Buffers are bytes, viewed as the dtype.
+    at a time on each thread that communicates (the communication thread; Bagua's
+    asynchronous averaging has a thread and a gloo group of its own) and consume their
+    buffers before they return, so one buffer per (thread, peer, size in bytes) suffices.
+    Buffers are bytes, viewed as the dtype.
     """
 
     def __init__(self, limit_bytes: int = 512 * 2**20) -> None:
         self.limit_bytes = limit_bytes
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, size: int, device: torch.device, peer: int) -> torch.Tensor:
         """A flat ``uint8`` tensor of ``size`` bytes for what ``peer`` sends."""
-        key = (peer, size, device)
-        flat = self._cache.pop(key, None)
-        if flat is None:
-            flat = torch.empty(size, dtype=torch.uint8, device=device)
-        self._cache[key] = flat
-        while (
-            sum(t.nbytes for t in self._cache.values()) > self.limit_bytes and len(self._cache) > 1
-        ):
-            self._cache.popitem(last=False)
+        key = (threading.get_ident(), peer, size, device)
+        with self._lock:
+            flat = self._cache.pop(key, None)
+            if flat is None:
+                flat = torch.empty(size, dtype=torch.uint8, device=device)
+            self._cache[key] = flat
+            total = sum(t.nbytes for t in self._cache.values())
+            while total > self.limit_bytes and len(self._cache) > 1:
+                total -= self._cache.popitem(last=False)[1].nbytes
         return flat
 
     def release(self, peer: int, flat: torch.Tensor) -> None:
         """Hand ``flat`` out no more (a receive into it stays posted)."""
-        self._cache.pop((peer, flat.nbytes, flat.device), None)
+        with self._lock:
+            self._cache.pop((threading.get_ident(), peer, flat.nbytes, flat.device), None)
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
