@@ -312,6 +312,102 @@ def test_bad_arguments_are_rejected():
     assert all(run_distributed(_bad_arguments, 2))
 
 
+def _train_once(opt, model):
+    x, y = _data(0)  # the same on every rank: averaging identical models moves nothing
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _lifecycle(kind):
+    make = {"atc": optim.AdaptThenCombine, "awc": optim.AdaptWithCombine}.get(
+        kind, optim.GradientAllreduce
+    )
+    model = Awkward()
+    old = make(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    _train_once(old, model)
+    with pytest.warns(UserWarning, match=r"still drove parameters of this model; it is closed"):
+        new = make(torch.optim.SGD(model.parameters(), lr=0.0), model)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):  # the first optimizer's hooks, lr 0.1, would move them
+        _train_once(new, model)
+    moved = [not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)]
+    with pytest.raises(RuntimeError, match=f"{type(old).__name__} was closed"):
+        old.step()
+    model.frozen.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"\['frozen.weight', 'frozen.bias'\] had requires_g"):
+        new.step()
+    new.close()
+    model.frozen.requires_grad_(False)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = make(sgd, model)
+    sgd.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(RuntimeError, match=r"has 9 parameters, 8 when .* built \(add_param_group"):
+        opt.step()
+    opt.close()
+    return any(moved)
+
+
+@pytest.mark.parametrize("kind", ["atc", "awc", "gradient_allreduce"])
+def test_a_new_optimizer_takes_over_and_a_changed_parameter_set_is_refused(kind):
+    assert run_distributed(_lifecycle, 2, args=(kind,)) == [False, False]
+
+
+def _gradient_allreduce_misuse():
+    model = nn.Embedding(5, 3, sparse=True)
+    with pytest.raises(TypeError, match=r"model must be an nn.Module .*; got None"):
+        optim.GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.1), None)
+    opt = optim.GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    with pytest.raises(TypeError, match=r"'weight' got a sparse one"):
+        model(torch.tensor([1, 2])).sum().backward()
+    opt.close()
+    model = nn.Linear(3, 1)
+    opt = optim.GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    model(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"'(weight|bias)' arrived after its bucket's allreduce"):
+        model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    opt.close()
+    return True
+
+
+def test_gradient_allreduce_refuses_sparse_gradients_and_a_pass_after_its_allreduce():
+    assert run_distributed(_gradient_allreduce_misuse, 2) == [True, True]
+
+
+def _awc_through_submodules():
+    model = nn.ModuleDict({"enc": nn.Linear(3, 4), "head": nn.Linear(4, 1)})
+    opt = optim.AdaptWithCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    model["head"](model["enc"](torch.ones(2, 3))).sum().backward()  # not model's forward
+    with pytest.warns(UserWarning, match="no training-mode forward of the wrapped model"):
+        opt.step()
+    opt.close()
+    return opt.communicator.rounds
+
+
+def test_awc_warns_when_no_forward_of_its_model_started_a_round():
+    assert run_distributed(_awc_through_submodules, 2) == [0, 0]
+
+
+def _failed_constructor():
+    model = Awkward()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad in ({"exact_diffusion": 1}, {"send_order": "sideways"}):
+        with pytest.raises((TypeError, ValueError)):
+            optim.AdaptThenCombine(sgd, model, **bad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing half built is taken over either
+        opt = optim.AdaptThenCombine(sgd, model)
+    for _ in range(2):
+        _train_once(opt, model)
+    opt.close()
+    return True
+
+
+def test_a_failed_constructor_leaves_no_hooks():
+    assert run_distributed(_failed_constructor, 2) == [True, True]
+
+
 def _broadcast_helpers():
     torch.manual_seed(gossamer.rank())
     model = nn.Linear(3, 2)

@@ -51,12 +51,16 @@ def _states():
         opt.close()
     out["progress"] = progress
 
+    # A model each: an optimizer over the parameters of another closes it.
     model = linear_model()
     push = optim.PushSum(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    model = linear_model()
     put = optim.WindowPut(torch.optim.SGD(model.parameters(), lr=0.1), model)
     out["push_keys"] = sorted(push.state_dict()["communication"])
     out["put_keys"] = sorted(put.state_dict()["communication"])
+    model = linear_model()
     awc = optim.AdaptWithCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    model = linear_model()
     errors = {}
     for label, call in {
         "foreign keys": lambda: awc.load_state_dict(push.state_dict()),

@@ -257,8 +257,7 @@ def _deprecated():
         assert isinstance(opt, bf.DistributedAdaptWithCombineOptimizer)
         kinds = [w.category for w in caught]
         out[name] = (kinds, opt.communication_type, caught[0].filename == __file__)
-        for hook in opt._hooks:
-            hook.remove()
+        opt.close()
     return out
 
 

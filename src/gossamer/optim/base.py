@@ -9,7 +9,9 @@ says what one communication round does (which operation, which weights). Subclas
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -26,8 +28,15 @@ __all__ = ["COMMUNICATIONS", "Communicator", "DecentralizedOptimizer"]
 DEFAULT_FUSION_BYTES = 8 * 2**20
 
 
+# the optimizers not closed yet (their hooks and buckets drive their parameters)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
 def _models(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
-    models = [model] if isinstance(model, nn.Module) else list(model)
+    try:
+        models = [model] if isinstance(model, nn.Module) else list(model)
+    except TypeError:  # not iterable
+        models = []
     if not models or not all(isinstance(m, nn.Module) for m in models):
         raise TypeError(f"model must be an nn.Module or a list of them; got {model!r}")
     return models
@@ -101,7 +110,11 @@ class DecentralizedOptimizer:
         self.optimizer = optimizer
         self.models = _models(model)
         names = {p: n for m in self.models for n, p in m.named_parameters()}
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        every = [p for g in optimizer.param_groups for p in g["params"]]
+        params = [p for p in every if p.requires_grad]
+        # Neither stepped nor averaged: training them later needs a new optimizer.
+        self._frozen = {p: names.get(p, "?") for p in every if not p.requires_grad}
+        self._param_count = len(every)
         strangers = [tuple(p.shape) for p in params if p not in names]
         if strangers:
             raise ValueError(
@@ -124,6 +137,9 @@ class DecentralizedOptimizer:
             "elastic": elastic or None,
         }
         self.communicator = _communicator(communicator, options)
+        self._hooks: list = []
+        self._closed = False
+        self._take_over()
         if self.params_in_buckets:
             if getattr(self.communicator, "in_place", False):
                 raise ValueError(
@@ -135,12 +151,16 @@ class DecentralizedOptimizer:
             for bucket in self.buckets:
                 bucket.adopt()
         self.communicator.bind(self.buckets)
-        self._hooks: list = []
         self.num_steps_per_communication = num_steps_per_communication
         self.steps = 0
         # (bucket, handle, finish): finish maps the operation's result to the new values.
         self._pending: list[tuple[Bucket, Pending | None, Callable | None]] = []
         self._warned = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "step" in cls.__dict__:
+            cls.step = _checked(cls.__dict__["step"])
 
     # -------------------------------------------------------------- torch.optim look-alike
     @property
@@ -218,7 +238,40 @@ class DecentralizedOptimizer:
         hooks, self._hooks = self._hooks, []
         for hook in hooks:
             hook.remove()
+        self._closed = True
+        _LIVE.discard(self)
         self.communicator.close()
+
+    def _take_over(self) -> None:
+        """Close the optimizers still driving these parameters: their hooks would fire too."""
+        mine = set(self.params)
+        for old in [o for o in _LIVE if not mine.isdisjoint(o.params)]:
+            warnings.warn(
+                f"{old!r} still drove parameters of this model; it is closed now (call "
+                "close() before building another optimizer on the same parameters)",
+                stacklevel=4,
+            )
+            old.close()
+        _LIVE.add(self)
+
+    def _check_usable(self) -> None:
+        """Raise if this optimizer was closed or its parameters changed since it was built."""
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} was closed; build a new optimizer")
+        thawed = [name for p, name in self._frozen.items() if p.requires_grad]
+        if thawed:
+            raise RuntimeError(
+                f"parameters {thawed} had requires_grad=False when {type(self).__name__} was "
+                "built, so it neither steps nor averages them: build the optimizer after "
+                "unfreezing them (close() this one first)"
+            )
+        count = sum(len(g["params"]) for g in self.optimizer.param_groups)
+        if count != self._param_count:
+            raise RuntimeError(
+                f"the wrapped optimizer has {count} parameters, {self._param_count} when "
+                f"{type(self).__name__} was built (add_param_group?): build a new one over "
+                "all of them (close() this one first)"
+            )
 
     def __enter__(self) -> DecentralizedOptimizer:
         return self
@@ -256,6 +309,17 @@ class DecentralizedOptimizer:
             f"{type(self).__name__}({type(self.optimizer).__name__}, "
             f"{self.communicator.name}, {len(self.buckets)} buckets)"
         )
+
+
+def _checked(step: Callable) -> Callable:
+    """``step`` preceded by :meth:`DecentralizedOptimizer._check_usable`."""
+
+    @functools.wraps(step)
+    def checked(self: DecentralizedOptimizer, *args: object, **kwargs: object) -> object:
+        self._check_usable()
+        return step(self, *args, **kwargs)
+
+    return checked
 
 
 def _communicator(communicator: object, options: dict) -> Communicator:

@@ -85,6 +85,11 @@ class AdaptWithCombine(DecentralizedOptimizer):
 
     def step(self, closure=None):
         """Write the combined parameters, then take the wrapped optimizer's step."""
+        if self._is_round() and not self._started:
+            self._warn_once(
+                "step() of a communication step, but no training-mode forward of the "
+                "wrapped model (with gradients enabled) started its round: nothing was averaged"
+            )
         try:
             self.synchronize()
         finally:
@@ -121,6 +126,10 @@ class AdaptThenCombine(BucketwiseOptimizer):
     :meth:`no_sync`, except the last, or it raises ``RuntimeError``. Use ``overlap=False``
     for those: the whole local step and every exchange then start in :meth:`step`. Steps that
     do not communicate (``num_steps_per_communication > 1``) always step in :meth:`step`.
+    Either way a parameter's combine lands in the forward pre-hook of the module that owns
+    it: a forward that reads a parameter before its owner runs (a parent passing a child's
+    weight to a functional call, as tied embeddings may) reads it uncombined; call
+    :meth:`synchronize` before such a forward.
 
     ``exact_diffusion=True`` adds the exact-diffusion correction (Yuan et al., 2019), which
     removes the constant-step bias: with :math:`\psi_k = x_k + u_k` the local step,
@@ -165,11 +174,12 @@ class AdaptThenCombine(BucketwiseOptimizer):
         overlap: bool = True,
         **kwargs,
     ) -> None:
-        super().__init__(optimizer, model, overlap=overlap, **kwargs)
+        # Checked first: a failed constructor must leave no hooks behind.
         if not isinstance(exact_diffusion, bool):
             raise TypeError(f"exact_diffusion must be a bool; got {exact_diffusion!r}")
-        if exact_diffusion and self.num_steps_per_communication != 1:
+        if exact_diffusion and kwargs.get("num_steps_per_communication", 1) != 1:
             raise ValueError("exact_diffusion needs num_steps_per_communication=1")
+        super().__init__(optimizer, model, overlap=overlap, **kwargs)
         self.exact_diffusion = exact_diffusion
         self._psi_prev: dict[int, torch.Tensor] = {}
         self._index = {bucket: i for i, bucket in enumerate(self.buckets)}

@@ -28,7 +28,9 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
     ``num_steps_per_communication=k`` accumulates the gradients of ``k`` backward passes
     locally and averages them on the ``k``-th (call :meth:`step` after it); :meth:`no_sync`
     skips communication for the backward passes inside it, as torch DDP's does. Parameters
-    that received no gradient in a step are averaged as zeros, so no rank waits for them.
+    that received no gradient in a step are averaged as zeros, so no rank waits for them; a
+    parameter that no rank used gets a zero gradient (plain torch leaves it ``None``), which
+    momentum and weight decay still act on: give such parameters ``requires_grad=False``.
 
     Example:
         >>> opt = GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.1), model)
@@ -74,11 +76,23 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
         return self._accumulating
 
     def _grad_ready(self, param: torch.Tensor) -> None:
+        if param.grad.is_sparse:
+            raise TypeError(
+                f"GradientAllreduce averages dense gradients; {self.param_names[param]!r} got "
+                "a sparse one (nn.Embedding(sparse=True)?): use a dense gradient"
+            )
         self._accumulating = True
         if self._no_sync:
             return
         self._dirty = True
         self._arrivals[param] += 1
+        if self._bucket_of[param] < self._launched:
+            raise RuntimeError(
+                f"the gradient of {self.param_names[param]!r} arrived after its bucket's "
+                f"allreduce started (more than num_steps_per_communication="
+                f"{self.num_steps_per_communication} backward passes before step()): run the "
+                "passes that only accumulate inside optimizer.no_sync()"
+            )
         if self._arrivals[param] == self.num_steps_per_communication:
             index = self._bucket_of[param]
             self._ready[index] += 1

@@ -155,6 +155,7 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
     ):
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool; got {overlap!r}")
+        queue_order(1, send_order)  # checked first: a failed constructor leaves no hooks
         super().__init__(optimizer, model, **kwargs)
         self.overlap = overlap
         self.send_order = send_order
