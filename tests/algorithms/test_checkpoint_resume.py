@@ -82,6 +82,18 @@ CASES = {
         "sync",
     ),
     "gradient-allreduce": (lambda m: optim.GradientAllreduce(_adam(m), m, **SMALL), "sync"),
+    "gradient-allreduce-topk": (
+        lambda m: optim.GradientAllreduce(_sgd(m), m, compression="topk:0.3", **SMALL),
+        "sync",
+    ),
+    "awc-choco-uint8": (
+        lambda m: optim.AdaptWithCombine(_sgd(m), m, compression="uint8", **SMALL),
+        "sync",
+    ),
+    "atc-choco-one-peer": (
+        lambda m: optim.AdaptThenCombine(_sgd(m), m, compression="topk:0.3", schedule=_one_peer()),
+        "sync",
+    ),
     "win-put": (lambda m: optim.WindowPut(_sgd(m), m, **SMALL), "win-put"),
     "win-put-one-peer": (lambda m: optim.WindowPut(_sgd(m), m, schedule=_one_peer()), "win-put"),
     "push-sum": (lambda m: optim.PushSum(_sgd(m), m, **SMALL), "push-sum"),
@@ -129,6 +141,9 @@ CONTROLS = {
     "atc-global-average-2": _edit(rounds=lambda rounds: 0),
     "atc-exact": _edit(psi_prev=lambda psi: {}),
     "atc-difference-gossip": _edit(replicas=lambda r: {}),
+    "gradient-allreduce-topk": _edit(feedback=lambda f: {**f, "residuals": {}}),
+    "awc-choco-uint8": _edit(copies=lambda c: {}),
+    "atc-choco-one-peer": _edit(copies=lambda c: {}),
     "win-put-one-peer": _edit(buffers=_zero_slots),
     "push-sum": _edit(
         buffers=_zero_slots, p_buffers=lambda ps: [dict.fromkeys(p, 0.0) for p in ps]

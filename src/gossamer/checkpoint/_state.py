@@ -23,7 +23,7 @@ def check_plain(value: object, where: str) -> None:
         return
     if isinstance(value, dict):
         for key, item in value.items():
-            if not isinstance(key, str | int | float | bool | type(None)):
+            if not _plain_key(key):
                 raise TypeError(f"{where} has a key of type {type(key).__name__}: {key!r}")
             check_plain(item, f"{where}[{key!r}]")
         return
@@ -36,6 +36,13 @@ def check_plain(value: object, where: str) -> None:
         "int, float, bool, None, bytes and torch.Tensor (what torch.load(weights_only=True) "
         "reads back)"
     )
+
+
+def _plain_key(key: object) -> bool:
+    """A scalar, or a tuple of them (CHOCO's public copies, error-feedback residuals)."""
+    if isinstance(key, tuple):
+        return all(_plain_key(k) and not isinstance(k, tuple) for k in key)
+    return isinstance(key, str | int | float | bool | type(None))
 
 
 def capture(
