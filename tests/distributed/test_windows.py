@@ -267,6 +267,24 @@ def test_two_windows_while_collectives_run():
             assert torch.equal(bufs_b[s], torch.full((2, 2), 5 * (10.0 + s)))
 
 
+def _default_names_avoid_given_ones():
+    x = torch.ones(3)
+    probe = gossamer.Window.create(x)
+    w = int(probe.name.removeprefix("window"))  # the next ones get ids w + 1, w + 2, ...
+    probe.free()
+    given = [gossamer.Window.create(x, name=f"window{w + 2 + k}") for k in range(4)]
+    default = gossamer.Window.create(x)  # id w + 5: "window{w + 5}" is given
+    names = gossamer.live_windows()
+    for window in [*given, default]:
+        window.free()
+    return default.name, names, gossamer.live_windows()
+
+
+def test_a_default_window_name_never_takes_a_given_one():
+    for name, names, left in run_distributed(_default_names_avoid_given_ones, 2):
+        assert len(set(names)) == 5 and name in names and left == []
+
+
 def _push_sum_consensus(iters):
     n, r = gossamer.size(), gossamer.rank()
     # directed, not doubly stochastic: a ring i -> i+1, plus rank 0 -> everyone

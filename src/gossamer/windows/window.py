@@ -22,7 +22,7 @@ destination adds :math:`D(\cdot)` into its slot.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -163,7 +163,7 @@ class Window:
             host = tensor.detach().to("cpu")
             state = WindowState(
                 wid=wid,
-                name=name or f"window{wid}",
+                name=name or _default_name(wid, windows.windows),
                 tensor=tensor,
                 buffers={s: init(host) for s in graph.in_neighbors(me)},
                 versions=dict.fromkeys(graph.in_neighbors(me), 0),
@@ -601,3 +601,12 @@ class Window:
             raise ValueError(f"Window.mutex: ranks must not contain this rank ({me})")
         state, svc = self._require(), registry().service
         return local_locks(svc, state, chosen) if for_self else remote_locks(svc, state, chosen)
+
+
+def _default_name(wid: int, taken: Container[str]) -> str:
+    """``window<id>``, unless a window was given that name: the same on every rank."""
+    name, k = f"window{wid}", 0
+    while name in taken:
+        k += 1
+        name = f"window{wid}.{k}"
+    return name
