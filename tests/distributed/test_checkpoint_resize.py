@@ -119,3 +119,51 @@ def test_the_resize_switch_of_auto_resume_is_read_and_checked():
     model = _net()
     with pytest.raises(TypeError, match="resize must be a bool or None; got 1"):
         checkpoint.AutoResume(model, torch.optim.SGD(model.parameters(), lr=0.1), resize=1)
+
+
+def _window_put(model, kind):
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0)  # only the combine moves the model
+    if kind == "push-sum":
+        return optim.PushSum(sgd, model)
+    graph = topology.exponential_two(gossamer.size())
+    schedule = topology.one_peer_exponential(graph, gossamer.rank())
+    return optim.WindowPut(sgd, model, schedule=schedule)
+
+
+def _window_round(model, opt):
+    opt.zero_grad()
+    model(torch.randn(5, 3)).square().mean().backward()
+    opt.synchronize()  # this rank's puts land before any rank combines
+    gossamer.barrier()
+    opt.step()
+    gossamer.barrier()
+
+
+def _save_windows(root, kind):
+    torch.manual_seed(gossamer.rank())
+    model = _net()
+    opt = _window_put(model, kind)
+    _window_round(model, opt)
+    checkpoint.save(f"{root}/{kind}", model, opt)
+    opt.close()
+
+
+def _resume_windows(root, kind):
+    torch.manual_seed(100 + gossamer.rank())  # initial models the slots must not keep
+    model = _net()
+    opt = _window_put(model, kind)
+    checkpoint.load(f"{root}/{kind}", model, opt, resize=True)
+    loaded = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    _window_round(model, opt)
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    opt.close()
+    return loaded, after
+
+
+@pytest.mark.parametrize("kind", ["win-put-one-peer", "push-sum"])
+def test_window_slots_restart_from_the_mean(tmp_path, kind):
+    run_distributed(_save_windows, 2, args=(str(tmp_path), kind), timeout=120)
+    out = run_distributed(_resume_windows, 3, args=(str(tmp_path), kind), timeout=120)
+    for loaded, after in out:
+        assert torch.equal(loaded, out[0][0])  # one mean on every rank ...
+        torch.testing.assert_close(after, loaded, rtol=0, atol=1e-6)  # ... that a combine keeps

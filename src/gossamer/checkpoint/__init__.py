@@ -104,13 +104,22 @@ def save(
     """
     rank, size = _world()
     survivors = size > 1 and _is_elastic(optimizer)
+    error: Exception | None = None
+    try:
+        # This rank's puts land (acknowledged) before the barrier, after which peers read
+        # their window slots.
+        if isinstance(optimizer, DecentralizedOptimizer) and not optimizer.step_in_progress:
+            optimizer.synchronize()
+    except Exception as err:
+        error = err
     if survivors:
         key = survivors_begin()
     elif size > 1:
         ops.barrier()
-    error: Exception | None = None
     record = [0] * RECORD
     try:
+        if error is not None:
+            raise error
         directory = _directory(path)
         models, single = _models(model)
         _check_optimizer(optimizer, "save")
@@ -219,6 +228,8 @@ def load(
             # Averaged inner state and the step counter; the communication state stays.
             optimizer.optimizer.load_state_dict(payload["optimizer"]["optimizer"])
             optimizer.steps = payload["optimizer"]["steps"]
+            # Window slots still hold the models they were made from, not the average.
+            optimizer.communicator.rebind(optimizer.buckets)
         else:
             optimizer.load_state_dict(payload["optimizer"])
         if restore_rng and not resized:

@@ -132,6 +132,13 @@ class Communicator(abc.ABC):
     def bind(self, buckets: Sequence[Bucket]) -> None:  # noqa: B027 - optional hook
         """Called once with the optimizer's buckets (window patterns create windows here)."""
 
+    def rebind(self, buckets: Sequence[Bucket]) -> None:  # noqa: B027 - optional hook
+        """Rebuild what :meth:`bind` made from the buckets' values now (the model was replaced).
+
+        Collective for window patterns, whose slots would otherwise still hold the models
+        they were created from.
+        """
+
     def next_round(self) -> None:
         """Advance to the next round (a global one every ``global_average_every``)."""
         self.rounds += 1

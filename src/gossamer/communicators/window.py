@@ -167,6 +167,11 @@ class _WindowGossip(Scheduled):
         for window in windows:
             window.free()
 
+    def rebind(self, buckets: Sequence[Bucket]) -> None:
+        """New windows, their slots made from the buckets' values now (collective)."""
+        self.close()
+        self.bind(buckets)
+
 
 class WindowPutGossip(_WindowGossip):
     r"""Put each bucket to the out-neighbours; waiting combines what arrived (win-put).
