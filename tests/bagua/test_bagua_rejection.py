@@ -74,6 +74,13 @@ def _call(name, r, n):
         recv = torch.zeros(2, n).t() if is_bad else torch.zeros(2 * n)  # not contiguous
         counts, displs = [2] * n, [2 * k for k in range(n)]
         return lambda: bagua.alltoall_v(x, counts, displs, recv, counts, displs)
+    if name in ("broadcast src", "reduce dst", "scatter src"):
+        root = n + 5 if is_bad else 0  # Bagua's name for the root, not gossamer's
+        return {
+            "broadcast src": lambda: bagua.broadcast(x, src=root),
+            "reduce dst": lambda: bagua.reduce(x, torch.zeros(2 * n), dst=root),
+            "scatter src": lambda: bagua.scatter(x, torch.zeros(2), src=root),
+        }[name]
     raise AssertionError(name)
 
 
@@ -111,6 +118,9 @@ CASES = [
     "reduce_scatter_inplace op",
     "alltoall recv",
     "alltoall_v recv",
+    "broadcast src",
+    "reduce dst",
+    "scatter src",
 ]
 
 
@@ -163,3 +173,6 @@ def test_a_bad_facade_argument_on_one_rank_raises_on_every_rank(world_size):
     assert got[BAD][5][1][1] == (
         f"ValueError: allreduce: recv_tensor must have {2 * world_size} elements; got 3"
     )
+    for k in range(len(CASES) - 3, len(CASES)):  # Bagua's src / dst, not gossamer's root
+        assert "must be a rank of the communicator (0.." in got[BAD][k][1][1]
+        assert CASES[k].split()[1] + " must be" in got[BAD][k][1][1]

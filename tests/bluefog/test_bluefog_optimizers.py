@@ -413,3 +413,28 @@ def _machine_one_peer(steps):
 def test_machine_knobs_match_the_core_schedule():
     for facade, core in run_distributed(_machine_one_peer, 4, args=(8,), env=HIER):
         torch.testing.assert_close(facade, core, rtol=1e-14, atol=1e-14)
+
+
+def _atc_after_a_failed_round():
+    bf.init()
+    model = nn.Linear(3, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = bf.DistributedAdaptThenCombineOptimizer(sgd, model)
+
+    def step():
+        opt.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        opt.synchronize()
+
+    opt.self_weight = 0.5  # without src_weights: the round fails in backward
+    with pytest.raises(ValueError, match="self_weight and src_weights must be given together"):
+        step()
+    opt.src_weights = {1 - bf.rank(): 0.5}
+    step()  # a new step, not "the gradient arrived twice"
+    opt.close()
+    return True
+
+
+def test_atc_trains_on_after_a_round_that_failed():
+    assert run_distributed(_atc_after_a_failed_round, 2) == [True, True]

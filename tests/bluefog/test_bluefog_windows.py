@@ -231,3 +231,17 @@ def _mutex():
 def test_mutex_holder_excludes_the_others():
     waited = run_distributed(_mutex, 3)
     assert all(0.4 < w < 5 for w in waited[1:]), waited
+
+
+def _half_weights():
+    bf.init()
+    x = torch.ones(3)
+    assert bf.win_create(x, "half")
+    with pytest.raises(ValueError, match=r"self_weight and neighbor_weights must be given toge"):
+        bf.win_update("half", self_weight=0.5)  # BlueFog's name for the weights, not gossamer's
+    assert bf.win_free("half")
+    return True
+
+
+def test_update_names_neighbor_weights_when_half_the_weights_are_given():
+    assert run_distributed(_half_weights, 2) == [True, True]

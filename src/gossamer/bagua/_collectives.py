@@ -74,6 +74,14 @@ def numel_of(tensor: object, name: str, op: str) -> int:
     return tensor.numel()
 
 
+def check_rank(rank: object, name: str, op: str, nranks: int) -> None:
+    """Raise ValueError naming ``name`` (Bagua's ``src`` / ``dst``) unless it is a rank."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < nranks:
+        raise ValueError(
+            f"{op}: {name} must be a rank of the communicator (0..{nranks - 1}); got {rank!r}"
+        )
+
+
 def check_recv(recv_tensor: object, numel: int, name: str) -> None:
     """Raise unless ``recv_tensor`` is a tensor of ``numel`` elements (before communicating)."""
     if not isinstance(recv_tensor, torch.Tensor):

@@ -11,6 +11,7 @@ import torch
 from gossamer import ops
 from gossamer.bagua._collectives import (
     ReduceOp,
+    check_rank,
     check_recv,
     numel_of,
     op_name,
@@ -81,6 +82,7 @@ def gather(
     c = resolve(comm)
     if c is not None:
         with rejecting("gather", c.group):
+            check_rank(dst, "dst", "gather", c.nranks())
             numel = numel_of(send_tensor, "send_tensor", "gather")
             if c.rank() == dst:
                 check_recv(recv_tensor, c.nranks() * numel, "gather")
@@ -115,6 +117,7 @@ def scatter(
     c = resolve(comm)
     if c is not None:
         with rejecting("scatter", c.group):
+            check_rank(src, "src", "scatter", c.nranks())
             count = numel_of(recv_tensor, "recv_tensor", "scatter")
         mine = send_tensor if c.rank() == src else _placeholder(send_tensor, c.nranks() * count)
         write_into(recv_tensor, ops.scatter(mine.reshape(-1), root=src, group=c.group), "scatter")

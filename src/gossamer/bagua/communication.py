@@ -31,6 +31,7 @@ import torch.distributed as dist
 from gossamer import context, ops
 from gossamer.bagua._collectives import (
     ReduceOp,
+    check_rank,
     check_recv,
     numel_of,
     op_name,
@@ -172,6 +173,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, comm: BaguaCommunicator | None
     """Overwrite ``tensor`` on every rank with rank ``src``'s (in place)."""
     c = _comm(comm)
     if c is not None:
+        with rejecting("broadcast", c.group):
+            check_rank(src, "src", "broadcast", c.nranks())
         ops.broadcast_(tensor, root=src, group=c.group)
 
 
@@ -194,6 +197,8 @@ def broadcast_object(obj: object, src: int = 0, comm: BaguaCommunicator | None =
     c = _comm(comm)
     if c is None:
         return obj
+    with rejecting("broadcast", c.group):
+        check_rank(src, "src", "broadcast_object", c.nranks())
     device = context.device()
     if c.rank() == src:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
@@ -218,6 +223,7 @@ def reduce(
     c = _comm(comm)
     if c is not None:
         with rejecting("reduce", c.group):
+            check_rank(dst, "dst", "reduce", c.nranks())
             if c.rank() == dst:
                 check_recv(recv_tensor, numel_of(send_tensor, "send_tensor", "reduce"), "reduce")
             name = op_name(op)

@@ -72,7 +72,9 @@ def win_create(tensor: torch.Tensor, name: str, zero_init: bool = False) -> bool
         bool: True, or False (with a warning logged) when ``name`` is already in use.
 
     Raises:
-        TypeError: ``tensor`` is not float32, float64, int32 or int64, or ``name`` not a str.
+        TypeError: ``tensor`` is not a dense tensor of a dtype gossamer sends (every
+            floating, integer and bool dtype; BlueFog took float32, float64, int32 and
+            int64 only), or ``name`` not a str.
     """
     if name in state().windows or name in gossamer.live_windows():
         logger.warning("win_create: a window named %r already exists", name)
@@ -129,6 +131,11 @@ def win_update(
     """
     weights = plain_weights(neighbor_weights)
     check_weight_types(self_weight, weights, "neighbor_weights")
+    if (self_weight is None) != (weights is None):
+        raise ValueError(
+            "win_update: self_weight and neighbor_weights must be given together; got "
+            f"self_weight={self_weight!r}, neighbor_weights={neighbor_weights!r}"
+        )
     return _window(name).update(
         self_weight=self_weight,
         src_weights=weights,

@@ -181,8 +181,12 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
             return
         index = self._arrivals.arrive(param)
         if index is not None:
-            self._ready[index] = self._step_bucket(index)
-            self._queue_ready()
+            try:
+                self._ready[index] = self._step_bucket(index)
+                self._queue_ready()
+            except BaseException:
+                self._restart_step()  # the next backward pass begins a new step
+                raise
 
     @abc.abstractmethod
     def _step_bucket(self, index: int) -> tuple[torch.Tensor, Callable | None]:
@@ -224,9 +228,16 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
         """Step and queue every bucket backward did not; the step's bookkeeping restarts."""
         # The first bucket not queued was never stepped (else it would be queued). Each is
         # queued before the next is stepped: its round overlaps the following steps.
-        while self._queued < len(self.buckets):
-            index = self.queue_order[self._queued]
-            self._ready[index] = self._step_bucket(index)
-            self._queue_ready()
+        try:
+            while self._queued < len(self.buckets):
+                index = self.queue_order[self._queued]
+                self._ready[index] = self._step_bucket(index)
+                self._queue_ready()
+        finally:
+            self._restart_step()
+
+    def _restart_step(self) -> None:
+        """Forget this step's arrivals and buckets not queued (the rounds queued go on)."""
         self._arrivals.reset()
+        self._ready.clear()
         self._queued = 0
