@@ -91,3 +91,26 @@ def test_async_averaging_keeps_ranks_together_while_they_run_apart(mode, warmup)
     if warmup:
         for g in got[1:]:
             torch.testing.assert_close(g["after_warmup"], got[0]["after_warmup"])
+
+
+def _evaluation_at_the_end_of_warmup():
+    bagua.init_process_group()
+    r = bagua.get_rank()
+    m = model(r)
+    opt = _sgd(m)
+    algorithm = async_model_average.AsyncModelAverageAlgorithm(sync_interval_ms=5, warmup_steps=2)
+    m = m.with_bagua([opt], algorithm)
+    x, y = data(r)
+    _train(m, opt, x, y, 2)
+    m.eval()  # validation after the warm-up: the forward where averaging would begin
+    with torch.no_grad():
+        m(x)
+    m.train()
+    _train(m, opt, x, y, 5)
+    _wait_rounds(m.bagua_algorithm, 3)  # stalls (fails) when averaging never began
+    m.bagua_algorithm.abort(m)
+    return m.bagua_algorithm.status.name
+
+
+def test_an_evaluation_forward_at_the_end_of_warmup_defers_the_start_of_averaging():
+    assert run_distributed(_evaluation_at_the_end_of_warmup, 2) == ["STOPPED"] * 2

@@ -163,6 +163,38 @@ def _qadam(full_precision=False):
     return states
 
 
+def _qadam_loaded_after_with_bagua():
+    bagua.init_process_group()
+    r = bagua.get_rank()
+    m = _qmodel(0)
+    opt = q_adam.QAdamOptimizer(m.parameters(), lr=LR, warmup_steps=WARMUP)
+    m = m.with_bagua([opt], q_adam.QAdamAlgorithm(opt, hierarchical=False))
+    x, y = _qdata(r)
+    for _ in range(WARMUP + 2):
+        opt.zero_grad()
+        _loss(m, x, y).backward()
+        opt.step()
+    saved = opt.state_dict()  # a checkpoint past the warm-up ...
+    fresh = _qmodel(0)
+    fresh_opt = q_adam.QAdamOptimizer(fresh.parameters(), lr=LR, warmup_steps=WARMUP)
+    fresh = fresh.with_bagua([fresh_opt], q_adam.QAdamAlgorithm(fresh_opt, hierarchical=False))
+    fresh_opt.load_state_dict(saved)  # ... loaded after with_bagua, in the warm-up's stage
+    momenta = []
+    for _ in range(2):
+        momenta.append(_flat(fresh_opt.state[p]["exp_avg"] for p in fresh.parameters()))
+        fresh_opt.zero_grad()
+        _loss(fresh, x, y).backward()
+        fresh_opt.step()
+    momenta.append(_flat(fresh_opt.state[p]["exp_avg"] for p in fresh.parameters()))
+    return momenta
+
+
+def test_qadam_loaded_after_with_bagua_switches_to_its_stage():
+    # After warm-up only the compressed stage's operations update the momentum.
+    for momenta in run_distributed(_qadam_loaded_after_with_bagua, 2):
+        assert not torch.equal(momenta[0], momenta[1]) and not torch.equal(momenta[1], momenta[2])
+
+
 def _qgrads(v):
     m = _qmodel(0)
     _set(m, v)

@@ -157,11 +157,18 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
         return self.optimizer_step_id < self.warmup_steps
 
     def need_reset(self) -> bool:
-        """True once, at the first step after warm-up (switch to compressed momenta)."""
-        if self.optimizer_step_id == self.warmup_steps:
-            logger.info("QAdam starts to compress from step %d", self.optimizer_step_id + 1)
-            return True
-        return False
+        """True when the buckets' operations are those of the other stage.
+
+        At the first step after warm-up (switch to compressed momenta), and after loading
+        an optimizer state of the other stage (Bagua checks for that one step only, so a
+        checkpoint loaded after ``with_bagua`` kept the warm-up's operations, and momenta
+        that no stage updated).
+        """
+        built = getattr(self, "_built_warming_up", None)
+        if built is None or built == self._warming_up():
+            return False
+        logger.info("QAdam switches stage at step %d", self.optimizer_step_id + 1)
+        return True
 
     def init_tensors(self, bagua_ddp: Any) -> list[torch.Tensor]:
         """The gradients of the optimizer's parameters, in backward order (both stages).
@@ -200,7 +207,8 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
     def init_operations(self, bagua_ddp: Any, bucket: BaguaBucket) -> None:
         """Warm-up: gradient allreduce. Then: 8-bit gradient averaging, momentum update."""
         bucket.clear_ops()
-        if self._warming_up():
+        self._built_warming_up = self._warming_up()
+        if self._built_warming_up:
             bucket.append_centralized_synchronous_op(
                 hierarchical=False, average=True, group=self.process_group
             )

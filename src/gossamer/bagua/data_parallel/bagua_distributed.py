@@ -176,6 +176,7 @@ class BaguaDistributedDataParallel:
         self._bagua_backend = _Backend()
         self._callback_queued = False
         self._seen: set[str] = set()  # parameters whose gradient arrived this backward
+        self._reset_pending = False  # asked for by an evaluation forward: the next training one
         previous = module.__dict__.get("_bagua_engine")
         if previous is not None:  # wrapped again: the previous engine lets go of the module
             previous.detach()
@@ -261,8 +262,12 @@ class BaguaDistributedDataParallel:
             self.bagua_train_step_counter += 1
 
     def _maybe_reset(self, module: nn.Module, inputs: Any) -> None:
-        # need_reset() runs on every forward (algorithms count calls), as in Bagua.
-        if self.bagua_algorithm.need_reset() and module.training:
+        # need_reset() runs on every forward (algorithms count calls), as in Bagua; a reset
+        # asked for in an evaluation forward waits for the next training one (Bagua drops it,
+        # and its asynchronous averaging then never starts).
+        self._reset_pending |= self.bagua_algorithm.need_reset()
+        if self._reset_pending and module.training:
+            self._reset_pending = False
             self._bagua_init_algorithm()
 
     def _algorithm_forward_pre_hook(self, module: nn.Module, inputs: Any) -> None:
