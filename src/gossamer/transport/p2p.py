@@ -547,7 +547,9 @@ def _check_match(
     any_first_dim: bool = False,
 ) -> None:
     """Raise :class:`PeerError` naming every source whose call differs from ``mine``."""
-    wire = _wire(mine)  # the peers' headers were decoded, dims past the tenth folded
+    # The peers' headers were decoded, dims past the tenth folded: fold this rank's too.
+    folded = any(len(h.shape) != len(mine.shape) for h in theirs.values())
+    wire = _wire(mine) if folded else mine
     wrong = [s for s, h in theirs.items() if not wire.matches(h, any_first_dim)]
     if wrong:
         text = "; ".join(f"rank {_global(group, s)} called {theirs[s].describe()}" for s in wrong)
