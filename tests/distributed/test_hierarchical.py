@@ -91,9 +91,18 @@ def _errors():
         gossamer.hierarchical_neighbor_allreduce(x)
     with pytest.raises(ValueError, match="given together"):
         gossamer.hierarchical_neighbor_allreduce(x, self_weight=0.5, src_machine_weights={})
-    with pytest.raises(ValueError, match=r"src_machine_weights key must be a rank in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"src_machine_weights key must be a machine in \[0, 2\)"):
         gossamer.hierarchical_neighbor_allreduce(
             x, self_weight=0.5, src_machine_weights={5: 0.5}, dst_machine_weights=[]
+        )
+    me = gossamer.machine_rank()
+    with pytest.raises(ValueError, match=rf"must not contain this machine \({me}\)"):
+        gossamer.hierarchical_neighbor_allreduce(
+            x, self_weight=0.5, src_machine_weights={me: 0.5}, dst_machine_weights=[]
+        )
+    with pytest.raises(ValueError, match="dst_machine_weights must not contain this machine"):
+        gossamer.hierarchical_neighbor_allreduce(
+            x, self_weight=0.5, src_machine_weights={}, dst_machine_weights=[me]
         )
     with pytest.raises(gossamer.TopologyError, match="2 machines"):
         gossamer.set_machine_topology(topo.ring(3))

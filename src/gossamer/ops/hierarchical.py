@@ -191,11 +191,17 @@ def _plan(
         )
     if all(given):
         sw = check_weight(self_weight, "self_weight")
-        weights = check_weights(src_machine_weights, "src_machine_weights", machines, me)
+        weights = check_weights(
+            src_machine_weights, "src_machine_weights", machines, me, unit="machine"
+        )
         if isinstance(dst_machine_weights, Mapping):
-            dsts = check_weights(dst_machine_weights, "dst_machine_weights", machines, me)
+            dsts = check_weights(
+                dst_machine_weights, "dst_machine_weights", machines, me, unit="machine"
+            )
         else:
-            ranks = check_rank_list(dst_machine_weights, "dst_machine_weights", machines, me)
+            ranks = check_rank_list(
+                dst_machine_weights, "dst_machine_weights", machines, me, "machine"
+            )
             dsts = dict.fromkeys(ranks, 1.0)
         return sw, weights, dsts
     graph = get_machine_topology()

@@ -60,12 +60,12 @@ def check_flag(value: object, name: str, op: str | None = None) -> bool:
     return value
 
 
-def check_rank(value: object, name: str, size: int) -> int:
-    """Return ``value`` if it is an int in ``[0, size)``."""
+def check_rank(value: object, name: str, size: int, unit: str = "rank") -> int:
+    """Return ``value`` if it is an int in ``[0, size)``; ``unit`` names what it counts."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int rank; got {value!r}")
+        raise TypeError(f"{name} must be an int {unit}; got {value!r}")
     if not 0 <= value < size:
-        raise ValueError(f"{name} must be a rank in [0, {size}); got {value}")
+        raise ValueError(f"{name} must be a {unit} in [0, {size}); got {value}")
     return value
 
 
@@ -85,18 +85,20 @@ def check_weights(
     me: int,
     allowed: Collection[int] | None = None,
     allowed_what: str = "",
+    unit: str = "rank",
 ) -> dict[int, float]:
     """Return ``weights`` as ``{rank: float}``: a mapping of other ranks to finite numbers.
 
-    ``allowed`` restricts the keys (e.g. to the in-neighbours, described by ``allowed_what``).
+    ``allowed`` restricts the keys (e.g. to the in-neighbours, described by ``allowed_what``);
+    ``unit`` names what the keys count (``"machine"`` for machine weights).
     """
     if not isinstance(weights, Mapping):
         raise TypeError(f"{name} must be a mapping {{rank: weight}}; got {type(weights).__name__}")
     out = {}
     for rank, weight in weights.items():
-        check_rank(rank, f"{name} key", size)
+        check_rank(rank, f"{name} key", size, unit)
         if rank == me:
-            raise ValueError(f"{name} must not contain this rank ({me}); use self_weight")
+            raise ValueError(f"{name} must not contain this {unit} ({me}); use self_weight")
         out[rank] = check_weight(weight, f"{name}[{rank}]")
     if allowed is not None:
         extra = sorted(set(out) - set(allowed))
@@ -107,15 +109,15 @@ def check_weights(
     return out
 
 
-def check_rank_list(ranks: object, name: str, size: int, me: int) -> list[int]:
-    """Return ``ranks`` as a list: distinct ints in range, without this rank."""
+def check_rank_list(ranks: object, name: str, size: int, me: int, unit: str = "rank") -> list[int]:
+    """Return ``ranks`` as a list: distinct ints in range, without this rank (``unit``)."""
     if isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence | set | frozenset):
-        raise TypeError(f"{name} must be a sequence of ranks; got {type(ranks).__name__}")
-    out = [check_rank(r, f"{name} entry", size) for r in ranks]
+        raise TypeError(f"{name} must be a sequence of {unit}s; got {type(ranks).__name__}")
+    out = [check_rank(r, f"{name} entry", size, unit) for r in ranks]
     if len(set(out)) != len(out):
-        raise ValueError(f"{name} must not repeat a rank; got {list(ranks)}")
+        raise ValueError(f"{name} must not repeat a {unit}; got {list(ranks)}")
     if me in out:
-        raise ValueError(f"{name} must not contain this rank ({me})")
+        raise ValueError(f"{name} must not contain this {unit} ({me})")
     return out
 
 
