@@ -330,6 +330,8 @@ def _errors():
         (ValueError, "given together", lambda: win.update(self_weight=0.5)),
         (gossamer.TopologyError, "windows exist", lambda: gossamer.set_topology(topo.ring(n))),
         (ValueError, "must not contain this rank", lambda: win.mutex(ranks=[r])),
+        (TypeError, "Window.p must be a real number; got 'abc'", lambda: setattr(win, "p", "abc")),
+        (ValueError, "Window.p must be finite; got nan", lambda: setattr(win, "p", float("nan"))),
     ]
     if not_out:
         cases.append((ValueError, "out-neighbours", lambda: win.put(dst_weights={not_out[0]: 1.0})))
@@ -338,6 +340,7 @@ def _errors():
     for exc, words, call in cases:
         with pytest.raises(exc, match=words):
             call()
+    assert win.p == 1.0  # the refused values left it as it was
     win.free()
     for call in (win.put, win.get, win.update, win.free, lambda: win.p):
         with pytest.raises(WindowError, match="freed"):
@@ -350,3 +353,59 @@ def _errors():
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_bad_input_and_freed_windows(world_size):
     assert all(run_distributed(_errors, world_size))
+
+
+def _load_slots_checks():
+    win = gossamer.Window.create(torch.zeros(3), name="slots")
+    src = win.in_neighbors[0]
+    before = win.buffers()
+    cases = [
+        (
+            TypeError,
+            r"buffers\[\d+\] must be a torch.float32 tensor; got torch.int64",
+            {src: torch.ones(3, dtype=torch.int64)},
+            None,
+        ),
+        (TypeError, "got list", {src: [1.0, 2.0, 3.0]}, None),
+        (ValueError, "has shape", {src: torch.ones(4)}, None),
+        (
+            ValueError,
+            "p_buffers keys must be in-neighbours",
+            {src: torch.ones(3)},
+            {gossamer.rank(): 2.0},
+        ),
+        (TypeError, r"p_buffers\[\d+\] must be a real number", {src: torch.ones(3)}, {src: "2"}),
+    ]
+    for exc, words, buffers, weights in cases:
+        with pytest.raises(exc, match=words):
+            win.load_slots(buffers, weights)
+        assert all(torch.equal(before[s], b) for s, b in win.buffers().items())  # nothing loaded
+    win.load_slots({src: torch.full((3,), 2.0)}, {src: 0.5})
+    assert torch.equal(win.buffers()[src], torch.full((3,), 2.0)) and win.p_buffers()[src] == 0.5
+    win.free()
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_load_slots_refuses_other_dtypes_and_changes_nothing_on_error(world_size):
+    assert all(run_distributed(_load_slots_checks, world_size))
+
+
+def _mismatched_create():
+    last = gossamer.rank() == gossamer.size() - 1
+    for kwargs, words in (
+        ({"push_sum": last}, r"rank 0 called window_create \(push_sum=False, elastic=False\)"),
+        ({"elastic": last}, "elastic=True"),
+    ):
+        with pytest.raises(gossamer.PeerError, match=words):
+            gossamer.Window.create(torch.zeros(2), name="mismatch", **kwargs)
+    with pytest.raises(gossamer.PeerError, match=r"float32\[3\]"):
+        gossamer.Window.create(torch.zeros(3 if last else 2), name="mismatch")
+    win = gossamer.Window.create(torch.zeros(2), name="mismatch", push_sum=True)  # usable after
+    win.free()
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_that_create_a_window_differently_are_named(world_size):
+    assert all(run_distributed(_mismatched_create, world_size))

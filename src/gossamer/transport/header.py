@@ -181,6 +181,11 @@ class Header:
         return same and self.shape == other.shape
 
     def describe(self) -> str:
-        """``"neighbor_allreduce of float32[3, 4]"`` (plus the root of a broadcast)."""
-        extra = f" (root {self.aux})" if self.op == "broadcast" else ""
+        """``"neighbor_allreduce of float32[3, 4]"``, plus what ``aux`` means to the call."""
+        if self.op == "broadcast":
+            extra = f" (root {self.aux})"
+        elif self.op == "window_create":
+            extra = f" (push_sum={bool(self.aux & 1)}, elastic={bool(self.aux & 2)})"
+        else:
+            extra = f" (aux {self.aux})" if self.aux else ""
         return f"{self.op}{extra} of {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"

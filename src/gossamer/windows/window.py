@@ -124,7 +124,8 @@ class Window:
 
         Raises:
             TypeError: not a tensor, a dtype without a wire code, or a flag that is not a bool.
-            ValueError: a name already in use. PeerError: ranks passed different shapes.
+            ValueError: a name already in use. PeerError: ranks passed different shapes,
+                dtypes, ``push_sum`` or ``elastic``.
             PeerArgumentError: on the other ranks, when a rank rejected its arguments.
         """
         windows = registry()
@@ -155,7 +156,7 @@ class Window:
             raise
 
         def body() -> Window:
-            check_same_call("window_create", tensor, None)
+            check_same_call("window_create", tensor, None, aux=push_sum + 2 * elastic)
             wid = windows.next_id()
             service = windows.start_service()
             me = context.rank()
@@ -241,7 +242,7 @@ class Window:
 
     @p.setter
     def p(self, value: float) -> None:
-        self._require().p = float(value)
+        self._require().p = check_weight(value, "Window.p")
 
     @property
     def push_sum(self) -> bool:
@@ -313,23 +314,35 @@ class Window:
         """Overwrite the in-neighbours' slots (to restore a checkpoint); versions are cleared.
 
         Raises:
+            TypeError: a value that is not a tensor of the window's dtype, or a weight that is
+                not a real number.
             ValueError: a key that is not an in-neighbour, or a tensor of another shape.
+            Nothing is changed when an error is raised.
         """
         state = self._require()
-        extra = sorted(set(buffers) - set(state.buffers))
-        if extra:
-            raise ValueError(f"buffers keys must be in-neighbours {self.in_neighbors}; got {extra}")
+        p_buffers = dict(p_buffers or {})
+        for name, given in (("buffers", buffers), ("p_buffers", p_buffers)):
+            extra = sorted(set(given) - set(state.buffers))
+            if extra:
+                raise ValueError(
+                    f"{name} keys must be in-neighbours {self.in_neighbors}; got {extra}"
+                )
+        for src, value in buffers.items():
+            slot = state.buffers[src]
+            if not isinstance(value, torch.Tensor) or value.dtype != slot.dtype:
+                got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+                raise TypeError(f"buffers[{src}] must be a {slot.dtype} tensor; got {got}")
+            if value.shape != slot.shape:
+                raise ValueError(
+                    f"buffers[{src}] has shape {tuple(value.shape)}; the window's is "
+                    f"{tuple(slot.shape)}"
+                )
+        weights = {src: check_weight(p, f"p_buffers[{src}]") for src, p in p_buffers.items()}
         with state.lock:
             for src, value in buffers.items():
-                if value.shape != state.buffers[src].shape:
-                    raise ValueError(
-                        f"buffers[{src}] has shape {tuple(value.shape)}; the window's is "
-                        f"{tuple(state.buffers[src].shape)}"
-                    )
                 state.buffers[src].copy_(value)
                 state.versions[src] = 0
-            for src, p in (p_buffers or {}).items():
-                state.p_buffers[src] = float(p)
+            state.p_buffers.update(weights)
 
     # ------------------------------------------------------------------ operations
     def _targets(self, weights, what: str) -> dict[int, float]:
