@@ -5,6 +5,7 @@ import torch
 from sampling import RandomShift
 
 import gossamer
+import gossamer.bluefog as bf
 from gossamer import optim
 from gossamer.communicators import NeighborAllreduce
 from gossamer.testing import run_distributed
@@ -29,6 +30,11 @@ def _win_put_steps(wait):
         gossamer.barrier()
     opt.free()
     return model.weight.detach().clone()
+
+
+def _unnamed(communication: dict) -> dict:
+    """A communication state as saved before states carried the algorithm's name."""
+    return {k: v for k, v in communication.items() if k != "algorithm"}
 
 
 def _states():
@@ -63,7 +69,13 @@ def _states():
     model = linear_model()
     errors = {}
     for label, call in {
-        "foreign keys": lambda: awc.load_state_dict(push.state_dict()),
+        "another algorithm": lambda: awc.load_state_dict(push.state_dict()),
+        "foreign keys": lambda: awc.load_state_dict(
+            {**push.state_dict(), "communication": _unnamed(push.state_dict()["communication"])}
+        ),
+        "same keys, another algorithm": lambda: optim.GradientAllreduce(
+            torch.optim.SGD(model.parameters(), lr=0.1), model
+        ).load_state_dict(awc.state_dict()),
         "window count": lambda: put.communicator.load_state_dict(
             {"rounds": 0, "buffers": [], "p_buffers": []}
         ),
@@ -83,6 +95,14 @@ def _states():
         except ValueError as err:
             errors[label] = str(err)
     out["errors"] = errors
+    # The BlueFog facade runs the same algorithm: its optimizers load gossamer's states.
+    model = linear_model()
+    facade = bf.DistributedAdaptWithCombineOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model
+    )
+    facade.load_state_dict(awc.state_dict())
+    out["facade_loads"] = facade.state_dict()["communication"]["algorithm"]
+    facade.close()
     shift = RandomShift(5)
     for _ in range(3):
         shift.next_round()
@@ -112,14 +132,22 @@ def test_step_in_progress_spans_one_step(states):
 
 
 def test_window_patterns_save_their_slots(states):
-    slots = {"buffers", "p_buffers", "versions", "rounds", "schedule_steps", "steps"}
+    slots = {"algorithm", "buffers", "p_buffers", "versions", "rounds", "schedule_steps", "steps"}
     assert set(states[0]["put_keys"]) == slots
     assert set(states[0]["push_keys"]) == slots | {"p", "x"}
 
 
 def test_mismatched_state_is_refused_with_a_reason(states):
     errors = states[0]["errors"]
+    assert errors["another algorithm"] == (
+        "state was saved by PushSum; this optimizer runs AdaptWithCombine (AdaptWithCombine)"
+    )
     assert "['buffers', 'p', 'p_buffers', 'versions', 'x']" in errors["foreign keys"]
+    assert (
+        "saved by AdaptWithCombine; this optimizer runs GradientAllreduce"
+        in (errors["same keys, another algorithm"])
+    )
+    assert states[0]["facade_loads"] == "AdaptWithCombine"
     assert "holds 0 windows" in errors["window count"]
     assert "psi_prev'][3]" in errors["psi_prev"]
     assert "random generator" in errors["rng"]

@@ -171,7 +171,10 @@ def test_saving_in_the_middle_of_a_step_is_refused(errors):
 
 def test_state_of_another_optimizer_is_refused(errors):
     _, out = errors
-    assert all("that AdaptWithCombine over NeighborAllreduce" in o["other_optimizer"] for o in out)
+    assert all(
+        "saved by PushSum; this optimizer runs AdaptWithCombine" in o["other_optimizer"]
+        for o in out
+    )
     assert all("class AdaptWithCombine; optimizer has class SGD" in o["plain_torch"] for o in out)
 
 

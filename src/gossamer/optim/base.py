@@ -190,11 +190,11 @@ class DecentralizedOptimizer:
     def state_dict(self) -> dict:
         """Everything the next steps depend on besides the parameters.
 
-        ``{"optimizer": <the wrapped optimizer's state dict>, "communication": {"steps",
-        **communicator.state_dict(), ...}}``: step counter, round counter, schedule
-        position, generator state, window slots and push-sum weights, exact diffusion's
-        previous local step. Communication in flight is finished first, so take the model's
-        state after this one.
+        ``{"optimizer": <the wrapped optimizer's state dict>, "communication": {"algorithm",
+        "steps", **communicator.state_dict(), ...}}``: the algorithm's class name, step
+        counter, round counter, schedule position, generator state, window slots and
+        push-sum weights, exact diffusion's previous local step. Communication in flight is
+        finished first, so take the model's state after this one.
         """
         self.synchronize()
         return {"optimizer": self.optimizer.state_dict(), "communication": self._comm_state()}
@@ -203,13 +203,20 @@ class DecentralizedOptimizer:
         """Restore what :meth:`state_dict` returned.
 
         Raises:
-            ValueError: ``state`` is not such a dict, or its communication state has keys
-                this optimizer does not know (saved from another optimizer or pattern).
+            ValueError: ``state`` is not such a dict, it was saved by another algorithm
+                (another ``gossamer.optim`` class; the BlueFog facade's classes count as the
+                class they wrap), or its communication state has keys this optimizer does
+                not know (another communicator or pattern).
         """
         if not isinstance(state, dict) or {"optimizer", "communication"} - set(state):
             raise ValueError("state must be a dict from DecentralizedOptimizer.state_dict()")
         # A combine still in flight would overwrite what is loaded when it lands.
         self.synchronize()
+        saved, mine = state["communication"].get("algorithm"), self._algorithm()
+        if saved is not None and saved != mine:  # states saved by earlier versions carry no name
+            raise ValueError(
+                f"state was saved by {saved}; this optimizer runs {mine} ({type(self).__name__})"
+            )
         unknown = sorted(set(state["communication"]) - set(self._comm_state()))
         if unknown:
             raise ValueError(
@@ -221,7 +228,18 @@ class DecentralizedOptimizer:
         self._load_comm_state(state["communication"])
 
     def _comm_state(self) -> dict:
-        return {"steps": self.steps, **self.communicator.state_dict()}
+        return {
+            "algorithm": self._algorithm(),
+            "steps": self.steps,
+            **self.communicator.state_dict(),
+        }
+
+    def _algorithm(self) -> str:
+        """The gossamer.optim class this optimizer runs (a facade's own class is a wrapper)."""
+        for cls in type(self).__mro__:
+            if cls.__module__.startswith("gossamer.optim."):
+                return cls.__name__
+        return type(self).__name__
 
     def _load_comm_state(self, state: dict) -> None:
         self.steps = int(state["steps"])
