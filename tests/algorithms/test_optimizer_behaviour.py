@@ -428,3 +428,70 @@ def test_broadcast_and_allreduce_parameters():
     for weight, lr, before in got:
         assert before == 0.0 and lr == pytest.approx(0.02)
         torch.testing.assert_close(weight, root.weight.detach() + 1.0)
+
+
+class Branchy(nn.Module):
+    """``side`` is used only by rank 0 and only on step 0; ``idle`` never."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.main, self.side, self.idle = nn.Linear(4, 1), nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, x, side):
+        return (self.main(x) + (self.side(x) if side else 0)).squeeze(1)
+
+
+def _branchy_sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+
+
+def _train_branchy(steps, find_unused):
+    model = Branchy()
+    opt = optim.GradientAllreduce(
+        _branchy_sgd(model), model, fusion_threshold_bytes=32, find_unused_parameters=find_unused
+    )
+    x, y = _data(gossamer.rank())
+    for step in range(steps):
+        opt.zero_grad()
+        ((model(x, step == 0 and gossamer.rank() == 0) - y.float()) ** 2).mean().backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}, model.idle.weight.grad
+
+
+def _branchy_reference(world_size, steps):
+    model = Branchy()
+    sgd = _branchy_sgd(model)
+    data = [_data(r) for r in range(world_size)]
+    for step in range(steps):
+        sgd.zero_grad()
+        for r, (x, y) in enumerate(data):
+            loss = ((model(x, step == 0 and r == 0) - y.float()) ** 2).mean()
+            loss.div(world_size).backward()
+        sgd.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_find_unused_parameters_leaves_globally_unused_gradients_none(world_size):
+    reference = _branchy_reference(world_size, 4)
+    for find_unused in (True, False):
+        got = run_distributed(_train_branchy, world_size, args=(4, find_unused))
+        for state, idle_grad in got:
+            assert (idle_grad is None) == find_unused
+            for name, value in reference.items():
+                close = torch.allclose(state[name], value, rtol=1e-5, atol=1e-6)
+                # Without the flag the unused parameters get zero gradients, which the weight
+                # decay and momentum act on: the control shows the test can tell.
+                assert close == (find_unused or name.startswith("main")), (name, find_unused)
+
+
+def _bad_flag():
+    model = Branchy()
+    with pytest.raises(TypeError, match="find_unused_parameters must be a bool; got 1"):
+        optim.GradientAllreduce(_branchy_sgd(model), model, find_unused_parameters=1)
+    return True
+
+
+def test_find_unused_parameters_must_be_a_bool():
+    assert all(run_distributed(_bad_flag, 2))

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from gossamer import ops
 from gossamer.communicators import Allreduce, Communicator
 from gossamer.compression import Compressor
 from gossamer.optim.base import DecentralizedOptimizer, NoSync
+from gossamer.transport import check_flag
 
 __all__ = ["GradientAllreduce"]
 
@@ -28,9 +30,11 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
     ``num_steps_per_communication=k`` accumulates the gradients of ``k`` backward passes
     locally and averages them on the ``k``-th (call :meth:`step` after it); :meth:`no_sync`
     skips communication for the backward passes inside it, as torch DDP's does. Parameters
-    that received no gradient in a step are averaged as zeros, so no rank waits for them; a
-    parameter that no rank used gets a zero gradient (plain torch leaves it ``None``), which
-    momentum and weight decay still act on: give such parameters ``requires_grad=False``.
+    that received no gradient in a step are averaged as zeros, so no rank waits for them.
+    A parameter that no rank used gets a zero gradient, which momentum and weight decay still
+    act on; with ``find_unused_parameters=True`` it keeps the gradient it had (``None``
+    after ``zero_grad()``), as in torch DDP with the same flag, for one more allreduce of a
+    bit per parameter each communicating step.
 
     Example:
         >>> opt = GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.1), model)
@@ -48,7 +52,9 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
         error_feedback: bool | None = None,
         num_steps_per_communication: int = 1,
         fusion_threshold_bytes=8 * 2**20,
+        find_unused_parameters: bool = False,
     ) -> None:
+        check_flag(find_unused_parameters, "find_unused_parameters", "GradientAllreduce")
         if communicator is None and compression is None and error_feedback is None:
             # The buckets hold copies of the gradients: averaging them in place saves a copy.
             communicator = Allreduce(in_place=True)
@@ -62,6 +68,7 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
             num_steps_per_communication=num_steps_per_communication,
             fusion_threshold_bytes=fusion_threshold_bytes,
         )
+        self.find_unused_parameters = find_unused_parameters
         self._bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b.tensors}
         self._arrivals = dict.fromkeys(self.params, 0)
         self._ready = [0] * len(self.buckets)
@@ -109,6 +116,14 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
             self._pending.append((bucket, self.communicator.start(flat, self._launched), None))
             self._launched += 1
 
+    def _used_anywhere(self) -> dict[torch.Tensor, bool] | None:
+        """Per parameter, whether any rank's backward reached it (None: not asked for)."""
+        if not self.find_unused_parameters:
+            return None
+        mine = torch.tensor([self._arrivals[p] > 0 for p in self.params])
+        anywhere = ops.allreduce(mine, op="bor")
+        return dict(zip(self.params, anywhere.tolist(), strict=True))
+
     def synchronize(self) -> None:
         """Start what is left, wait for everything, and write the averaged gradients.
 
@@ -121,6 +136,7 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
         self._launch(until_ready=False)
         pending, self._pending = self._pending, []
         try:
+            used = self._used_anywhere()
             for bucket, handle, _ in pending:
                 if handle is None:
                     continue
@@ -128,6 +144,8 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
 
                 def grad_of(p: torch.Tensor) -> torch.Tensor:
                     if p.grad is None:
+                        if used is not None and not used[p]:
+                            return torch.empty_like(p)  # left None, as DDP leaves it
                         p.grad = torch.zeros_like(p)
                     return p.grad
 
