@@ -162,6 +162,10 @@ class Runtime:
 
 
 _state: Runtime | None = None
+_inits = 0  # process groups this process started: a re-init's keys must not meet the last's
+# Rendezvous stores by (address, port, hosting): kept across re-inits, because a peer that
+# re-inits first would otherwise reach the closing store of the last init, or none at all.
+_stores: dict[tuple[str, int, bool], dist.Store] = {}
 _shutdown_hooks: list[Callable[[], None]] = []
 _init_hooks: list[Callable[[], object]] = []
 
@@ -202,14 +206,24 @@ def _start_process_group(backend: str, timeout: float) -> tuple[dist.Store, int 
     store: dist.Store = dist.HashStore()  # no launcher: a world of one, so every op works
     pg_store, host = store, None
     if info.launched:  # what init_method="env://" does, keeping the store (torchrun's agent's)
+        global _inits
         agent = info.agent_store
-        args = (info.master_addr, info.master_port, info.world_size)
-        store = dist.TCPStore(*args, is_master=info.rank == 0 and not agent, timeout=wait)
+        hosting = info.rank == 0 and not agent
+        key = (info.master_addr, info.master_port, hosting)
+        if key not in _stores:
+            args = (info.master_addr, info.master_port, info.world_size)
+            _stores[key] = dist.TCPStore(*args, is_master=hosting, timeout=wait)
+        store = _stores[key]
         if agent:
             # The agent's store outlives a restart of the ranks (--max-restarts): keys of an
             # earlier attempt (gloo's addresses, heartbeats, membership epochs) must not be
             # read by this one. The prefix is the one torch's env:// rendezvous uses.
             store = dist.PrefixStore(f"/worker/attempt_{info.restart_count}", store)
+        _inits += 1
+        if _inits > 1:
+            # Likewise a re-init after shutdown() (the agent's tombstones, written under the
+            # attempt's prefix, are then not seen: deaths are found by heartbeat alone).
+            store = dist.PrefixStore(f"gossamer/init_{_inits}", store)
         pg_store, host = dist.PrefixStore("default_pg", store), None if agent else 0
     dist.init_process_group(
         pg_backend, store=pg_store, rank=info.rank, world_size=info.world_size, timeout=wait

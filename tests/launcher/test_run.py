@@ -56,6 +56,45 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
     assert "rank 0" in done.stderr and "SIGKILL" in done.stderr
 
 
+REINIT = textwrap.dedent(r"""
+    import os, sys, torch, gossamer
+    for i in range(int(sys.argv[1])):
+        gossamer.init()
+        total = gossamer.allreduce(torch.ones(2), average=False)[0].item()
+        mixed = gossamer.neighbor_allreduce(torch.full((2,), float(gossamer.rank())))[0].item()
+        os.write(1, f"init {i} rank {gossamer.rank()} {total} {mixed}\n".encode())
+        gossamer.shutdown()
+""")
+
+
+@pytest.mark.parametrize("launcher", [True, False])
+def test_init_after_shutdown_in_the_same_process(tmp_path, launcher):
+    """Each init must meet its peers in this init, not in the last one's store or sockets."""
+    script = tmp_path / "reinit.py"
+    script.write_text(REINIT)
+    if launcher:  # the agent's store outlives every init
+        done = _gossamer(["-np", "2", str(script), "8"], tmp_path, timeout=240)
+        outs, codes = [done.stdout], [done.returncode]
+    else:  # rank 0 hosts the store itself
+        env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+        env["MASTER_PORT"] = str(20000 + os.getpid() % 20000)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(script), "8"],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+        codes = [p.returncode for p in procs]
+    assert codes == [0] * len(codes), outs
+    lines = sorted(line for out in outs for line in out.splitlines() if line.startswith("init"))
+    # ring of 2: the neighbour average of ranks 0 and 1 is 0.5 on both
+    assert lines == sorted(f"init {i} rank {r} 2.0 0.5" for i in range(8) for r in range(2))
+
+
 def test_module_mode_runs_pytest_under_the_launcher(tmp_path):
     (tmp_path / "test_inside.py").write_text(
         "import gossamer\n\ndef test_size():\n    gossamer.init()\n"
