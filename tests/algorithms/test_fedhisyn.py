@@ -118,6 +118,9 @@ def _reference(times, groups, interval, scale, rounds):
         ([1.0, 1.0, 1.0, 3.0], 2, 2, True, ((0, 1, 2), (3,))),
         ([1.0, 1.0, 1.0, 3.0], 2, 3, False, ((0, 1, 2), (3,))),
         ([2.0, 1.0], 2, 2, True, ((1,), (0,))),
+        # every slow round is global while the fast group's first is a ring round: the ring's
+        # first posted round must not wait on a check over every rank (it hung)
+        ([1.0, 1.0, 2.0, 2.0], 2, 1, True, ((0, 1), (2, 3))),
     ],
 )
 def test_schedule_matches_a_one_process_simulation(times, num_groups, interval, scale, groups):
@@ -191,8 +194,8 @@ def test_argument_errors():
     ]
 
 
-def _resume(rounds_before, rounds):
-    """``rounds_before`` rounds, save, a fresh model and optimizer load, the rest."""
+def _resume(rounds_before, rounds, mid=0):
+    """``rounds_before`` rounds and ``mid`` steps, save, a fresh optimizer loads, the rest."""
     rank = gossamer.rank()
     A, b = least_squares_data(rank)
 
@@ -200,30 +203,34 @@ def _resume(rounds_before, rounds):
         sgd = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
         return FedHiSyn(sgd, model, interval=2, step_time=[1.0, 2.0][rank % 2])
 
-    def train(model, opt, count):
-        for _ in range(count * opt.steps_per_round):
+    def train(model, opt, steps):
+        for _ in range(steps):
             opt.zero_grad()
             least_squares_loss(model, A, b).backward()
             opt.step()
 
     model = linear_model()
     opt = build(model)
-    train(model, opt, rounds_before)
+    k = opt.steps_per_round
+    train(model, opt, rounds_before * k + mid)
     if rounds_before < rounds:
-        # a round boundary: every rank's last combine was the global average
         state, weights = opt.state_dict(), model.state_dict()
         model = linear_model()
         opt = build(model)
         model.load_state_dict(weights)
         opt.load_state_dict(state)
-        train(model, opt, rounds - rounds_before)
+        train(model, opt, (rounds - rounds_before) * k - mid)
     opt.synchronize()
     return model.weight.detach().clone(), opt.groups, opt.steps_per_round, opt.communicator.rounds
 
 
-def test_fedhisyn_resumes_exactly():
+@pytest.mark.parametrize("mid", [0, 1])
+def test_fedhisyn_resumes_exactly(mid):
+    """At a round boundary, and one step into a round (the fast group's next combine is a
+    ring round while the slow group's is global: the new optimizer's first ring round must
+    not wait on a check over every rank)."""
     whole = run_distributed(_resume, 4, args=(3, 3))
-    resumed = run_distributed(_resume, 4, args=(1, 3))
+    resumed = run_distributed(_resume, 4, args=(1, 3, mid))
     assert [k for _, _, k, _ in whole] == [4, 2, 4, 2]
     for got, want in zip(resumed, whole, strict=True):
         assert got[1:] == want[1:]

@@ -139,6 +139,19 @@ class NeighborAllreduce(Scheduled):
                 f"topology has {self.topology.size} ranks but the world has {context.size()}"
             )
 
+    def check_posted(self, flats: Sequence[torch.Tensor]) -> None:
+        """Run now, on every rank together, the check of each bucket's first posted round.
+
+        That check is a call header over every rank, so ranks whose first rounds come at
+        different steps (FedHiSyn's groups, one in a ring round while another averages
+        globally) would wait on it for each other. Call this where every rank is at the same
+        point; ``flats[i]`` is laid out like bucket ``i``.
+        """
+        for index, flat in enumerate(flats):
+            layout = (flat.dtype, flat.numel())
+            if transport.can_post(flat) and self._posted.needs_check(index, layout):
+                transport.post_exchange(self.name, flat, {}, {}, key=index, check=True).wait()
+
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         explicit = (self.self_weight, self.src_weights, self.dst_weights)
         if self.elastic:

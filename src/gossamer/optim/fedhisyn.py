@@ -207,6 +207,8 @@ class FedHiSyn(AdaptThenCombine):
             self.steps_per_round = self.interval
         self.communicator.topology = grouped_ring(groups, context.size())
         self.communicator.global_average_every = self.steps_per_round
+        # Every rank is here together; their first ring rounds may not be.
+        self.communicator.check_posted([bucket.flat for bucket in self.buckets])
 
     def _comm_state(self) -> dict:
         hisyn = {
