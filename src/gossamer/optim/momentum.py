@@ -7,6 +7,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from gossamer.optim.base import _LIVE
 
 __all__ = ["MomentumCorrection"]
 
@@ -20,16 +23,19 @@ class MomentumCorrection:
 
         m_t = \beta\, m_{t-1} + g_t, \qquad g_t \leftarrow m_t,
 
-    (torch SGD's buffer, :math:`m_1 = g_1`), so a compressed gradient average (with its error
-    feedback) sees the momentum-corrected update, as in DGC's momentum correction (Lin et
-    al., 2018): pair it with plain SGD (no momentum) in the wrapped optimizer. Uncompressed,
-    the average of the ranks' buffers is the buffer of the averaged gradients, so the run is
-    SGD with momentum on averaged gradients. Measured on the digits (docs/compression.md):
-    with it, 1-bit sign in blocks of 64, top-1 %, STC and QSGD end within 1 point of
-    uncompressed, where momentum on the averaged gradient left sign 6-7 points below.
+    (torch SGD's buffer, :math:`m_1 = g_1`), once per optimizer step: with several backward
+    passes before a step (gradient accumulation), :math:`g_t` is their sum. So a compressed
+    gradient average (with its error feedback) sees the momentum-corrected update, as in
+    DGC's momentum correction (Lin et al., 2018): pair it with plain SGD (no momentum) in
+    the wrapped optimizer. Uncompressed, the average of the ranks' buffers is the buffer of
+    the averaged gradients, so the run is SGD with momentum on averaged gradients. Measured
+    on the digits (docs/compression.md): with it, 1-bit sign in blocks of 64, top-1 %, STC
+    and QSGD end within 1 point of uncompressed, where momentum on the averaged gradient
+    left sign 6-7 points below.
 
     Create it **before** the decentralized optimizer: gradient hooks run in the order they
-    were registered, and the optimizer's hook sends the gradient.
+    were registered, and the optimizer's hook sends the gradient (created after one, it
+    raises). A step is any ``torch.optim`` optimizer's ``step()`` over these parameters.
 
     Args:
         model (nn.Module): the model whose parameters' gradients are replaced.
@@ -48,21 +54,42 @@ class MomentumCorrection:
             raise TypeError(f"momentum must be a number; got {momentum!r}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1); got {momentum!r}")
-        self.momentum = float(momentum)
         self._params = [p for p in model.parameters() if p.requires_grad]
+        driven = [o for o in _LIVE if not set(self._params).isdisjoint(o.params)]
+        if driven:
+            raise ValueError(
+                f"create MomentumCorrection before {type(driven[0]).__name__}: its gradient "
+                "hooks already send these parameters' gradients, uncorrected"
+            )
+        self.momentum = float(momentum)
         self._buffers: list[torch.Tensor | None] = [None] * len(self._params)
+        self._open = [False] * len(self._params)  # a pass of this step already corrected it
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._correct, i))
             for i, p in enumerate(self._params)
         ]
+        ids = {id(p) for p in self._params}
+        self._handles.append(
+            register_optimizer_step_post_hook(lambda opt, args, kwargs: self._end_step(opt, ids))
+        )
 
     def _correct(self, index: int, param: nn.Parameter) -> None:
         buffer = self._buffers[index]
+        if self._open[index]:
+            # A later pass of the same step: the gradient is the corrected buffer plus this
+            # pass's gradient, which is the buffer m_t now holds.
+            buffer.copy_(param.grad)
+            return
+        self._open[index] = True
         if buffer is None:
             buffer = self._buffers[index] = param.grad.detach().clone()
         else:
             buffer.mul_(self.momentum).add_(param.grad)
         param.grad.copy_(buffer)
+
+    def _end_step(self, optimizer: torch.optim.Optimizer, ids: set[int]) -> None:
+        if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
+            self._open = [False] * len(self._params)
 
     def state_dict(self) -> dict[str, Any]:
         """The momentum and each parameter's buffer (by its index in the model), cloned."""
@@ -81,6 +108,7 @@ class MomentumCorrection:
                 f"state has buffers for parameters {bad}; the model has {len(self._params)}"
             )
         self._buffers = [None] * len(self._params)
+        self._open = [False] * len(self._params)
         for i, b in state["buffers"].items():
             self._buffers[i] = b.clone().to(self._params[i].device)
 
