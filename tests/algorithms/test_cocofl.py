@@ -184,6 +184,16 @@ def _misuse():
     )
     again.load_state_dict(opt.state_dict())
     errors.append((again.steps, again.rounds, again.masked))
+    for made in (again, opt):  # the last made first: each gives back what it found
+        made.close()
+    try:
+        CoCoFL(sgd(), model, frozen=None, constrained=True)
+    except TypeError as err:
+        errors.append(f"{type(err).__name__}: {err}")
+    # close() gives back what the user had set, a parameter frozen by the user included
+    model[0].bias.requires_grad_(False)
+    CoCoFL(sgd(), model, frozen=["0"], constrained=True).close()
+    errors.append((model[0].weight.requires_grad, model[0].bias.requires_grad))
     return errors
 
 
@@ -197,3 +207,5 @@ def test_cocofl_argument_errors():
     assert errors[5] is True
     assert errors[6] == "ValueError: state froze layers ['0']; this optimizer freezes []"
     assert errors[7] == (3, 3, True)
+    assert errors[8] == "TypeError: frozen must be a sequence of module names; got None"
+    assert errors[9] == (True, False)

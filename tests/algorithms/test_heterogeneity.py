@@ -593,3 +593,17 @@ def _clique_defaults():
 
 def test_clique_averaging_defaults_to_the_d_cliques_graph_unless_given_a_schedule():
     assert run_distributed(_clique_defaults, 4) == [(True, True)] * 4
+
+
+def test_cliques_may_be_numpy_arrays_and_integers():
+    import numpy as np
+
+    from gossamer.optim.cliques import check_cliques
+
+    split = np.array_split(np.arange(5), 2)  # what a user splitting ranks writes
+    assert check_cliques(split, 5) == ((0, 1, 2), (3, 4))
+    assert check_cliques(np.arange(4).reshape(2, 2), 4) == ((0, 1), (2, 3))
+    assert check_cliques([[np.int64(1), 0]], 2) == ((0, 1),)
+    assert all(type(r) is int for c in check_cliques(split, 5) for r in c)
+    with pytest.raises(TypeError, match="int ranks"):
+        check_cliques([np.array([0.0, 1.0])], 2)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from gossamer import context, ops
@@ -40,23 +41,30 @@ def check_cliques(cliques: object, size: int) -> tuple[tuple[int, ...], ...]:
     """``cliques`` as sorted rank tuples, or an error if they do not partition ``0..size-1``.
 
     Raises:
-        TypeError: ``cliques`` is not a sequence of sequences of ints.
+        TypeError: ``cliques`` is not a sequence of sequences of ints (numpy arrays and
+            integers count).
         ValueError: a rank is outside ``[0, size)``, repeated, missing, or a clique is empty.
     """
+    if isinstance(cliques, np.ndarray):
+        cliques = cliques.tolist()
     if isinstance(cliques, str | bytes) or not isinstance(cliques, Sequence):
         raise TypeError(f"cliques must be a sequence of rank lists; got {cliques!r}")
     result = []
     for clique in cliques:
+        if isinstance(clique, np.ndarray):
+            clique = clique.tolist()  # np.array_split's parts
         if isinstance(clique, str | bytes) or not isinstance(clique, Sequence):
             raise TypeError(f"cliques must be a sequence of rank lists; got member {clique!r}")
         if not clique:
             raise ValueError(f"cliques must not contain an empty clique; got {cliques!r}")
+        ranks = []
         for r in clique:
-            if isinstance(r, bool) or not isinstance(r, int):
+            if isinstance(r, bool) or not isinstance(r, int | np.integer):
                 raise TypeError(f"cliques must hold int ranks; got {r!r} in {clique!r}")
             if not 0 <= r < size:
                 raise ValueError(f"cliques: rank {r} is outside [0, {size})")
-        result.append(tuple(sorted(clique)))
+            ranks.append(int(r))
+        result.append(tuple(sorted(ranks)))
     seen = [r for c in result for r in c]
     repeated = sorted({r for r in seen if seen.count(r) > 1})
     if repeated:

@@ -118,7 +118,11 @@ class CoCoFL:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {optimizer!r}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module; got {model!r}")
-        if isinstance(frozen, str) or not all(isinstance(n, str) for n in frozen):
+        if (
+            isinstance(frozen, str)
+            or not isinstance(frozen, Sequence | set | frozenset)
+            or not all(isinstance(n, str) for n in frozen)
+        ):
             raise TypeError(f"frozen must be a sequence of module names; got {frozen!r}")
         if not isinstance(constrained, bool):
             raise TypeError(f"constrained must be a bool; got {constrained!r}")
@@ -156,10 +160,13 @@ class CoCoFL:
         self.mask = [1.0 if unmasked or id(p) not in frozen_params else 0.0 for p in self.params]
         self.quantized: dict[str, nn.Module] = {}
         self._layers = {name: modules[name] for name in self.frozen}
-        for layer in self._layers.values():
-            for p in layer.parameters():
-                p.requires_grad_(False)
-                p.grad = None
+        # what close() gives back: the user's own choice, which may be frozen already
+        self._requires_grad = {
+            p: p.requires_grad for layer in self._layers.values() for p in layer.parameters()
+        }
+        for p in self._requires_grad:
+            p.requires_grad_(False)
+            p.grad = None
         self._refresh()
         self._weights = self._denominators()
 
@@ -269,12 +276,12 @@ class CoCoFL:
         self._refresh()  # the model's float weights may have been loaded since
 
     def close(self) -> None:
-        """Give the frozen layers back their float forward and their gradients."""
+        """Give the frozen layers back their float forward and their ``requires_grad``."""
         for layer in self._layers.values():
             layer.__dict__.pop("forward", None)
-            for p in layer.parameters():
-                p.requires_grad_(True)
-        self._layers, self.quantized = {}, {}
+        for p, required in self._requires_grad.items():
+            p.requires_grad_(required)
+        self._layers, self.quantized, self._requires_grad = {}, {}, {}
 
     def __repr__(self) -> str:
         return (
