@@ -34,6 +34,17 @@ def _flag_calls(value):
         "allgather async_op": (lambda: gossamer.allgather(x, async_op=value), "async_op"),
         "alltoall async_op": (lambda: gossamer.alltoall(x, async_op=value), "async_op"),
         "barrier async_op": (lambda: gossamer.barrier(async_op=value), "async_op"),
+        "reduce_scatter async_op": (
+            lambda: gossamer.reduce_scatter(x, async_op=value),
+            "async_op",
+        ),
+        "alltoall_v async_op": (
+            lambda: gossamer.alltoall_v(x, send_counts=[2], async_op=value),
+            "async_op",
+        ),
+        "reduce async_op": (lambda: gossamer.reduce(x, root=0, async_op=value), "async_op"),
+        "gather async_op": (lambda: gossamer.gather(x, root=0, async_op=value), "async_op"),
+        "scatter async_op": (lambda: gossamer.scatter(x, root=0, async_op=value), "async_op"),
         "neighbor_allreduce async_op": (
             lambda: gossamer.neighbor_allreduce(x, async_op=value),
             "async_op",
@@ -209,3 +220,58 @@ def _optimizer_arguments():
 def test_optimizer_arguments_are_named():
     (messages,) = run_distributed(_optimizer_arguments, 1)
     assert messages and all(messages), messages
+
+
+def _audit_cases():
+    """Found by the session-28 audit: what each mismatch says, complex product, graphs."""
+    r = gossamer.rank()
+    x = torch.ones(4)
+    out = {}
+    for name, call in {
+        "allreduce": lambda: gossamer.allreduce(x, op="sum" if r == 0 else "max"),
+        "reduce": lambda: gossamer.reduce(x, root=min(r, 1)),
+        "gather": lambda: gossamer.gather(x, root=min(r, 1)),
+        "reduce_scatter": lambda: gossamer.reduce_scatter(
+            torch.ones(gossamer.size()), op="sum" if r == 0 else "product"
+        ),
+    }.items():
+        with pytest.raises(gossamer.PeerError) as err:
+            call()
+        out[name] = str(err.value)
+    z = torch.ones(2, dtype=torch.complex64)
+    for call in (
+        lambda: gossamer.allreduce(z, op="product"),
+        lambda: gossamer.reduce(z, root=0, op="product"),
+    ):
+        with pytest.raises(TypeError, match="op 'product' is not supported for complex"):
+            call()
+    # Communication is not differentiable: no result carries a graph back to the input.
+    leaf = torch.full((2,), float(r), requires_grad=True)
+    results = [
+        gossamer.allreduce(leaf),
+        gossamer.broadcast(leaf, root=0),
+        gossamer.neighbor_allreduce(leaf),
+        gossamer.allreduce(leaf, async_op=True).wait(),
+    ]
+    out["graphs"] = [t.requires_grad or t.grad_fn is not None for t in results]
+    same = gossamer.allreduce_(leaf * 1)  # a non-leaf, reduced in place: returned itself
+    out["in_place"] = same.grad_fn is not None and torch.equal(same.detach(), results[0])
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mismatches_name_what_differs_and_results_carry_no_graph(world_size):
+    for r, out in enumerate(run_distributed(_audit_cases, world_size)):
+        called = "rank 0 called {0}, but rank 1 called {1}"
+        assert (
+            called.format("allreduce (op sum) of float32[4]", "allreduce (op max)")
+            in (out["allreduce"])
+        )
+        assert (
+            called.format("reduce (root 0, op sum) of float32[4]", "reduce (root 1, op sum)")
+            in (out["reduce"])
+        )
+        assert "gather (root 0)" in out["gather"] and "gather (root 1)" in out["gather"]
+        assert "(op product)" in out["reduce_scatter"]
+        assert out["graphs"] == [False] * 4, r
+        assert out["in_place"]

@@ -123,3 +123,36 @@ def _uneven():
 
 def test_uneven_machines_are_refused():
     assert all(run_distributed(_uneven, 3, env=_env(2)))
+
+
+def _half_near_the_top(dtype):
+    # Values whose machine sum overflows float16 (max 65504) while every average fits.
+    m, M = gossamer.machine_rank(), gossamer.machine_size()
+    x = torch.full((3,), 30000.0 + 1000.0 * gossamer.rank(), dtype=dtype)
+    gossamer.set_machine_topology(topo.fully_connected(M))
+    try:
+        uniform = gossamer.hierarchical_neighbor_allreduce(x)
+    finally:
+        gossamer.set_machine_topology(None)
+    other = {(m + 1) % M: 0.75} if M > 1 else {}
+    weighted = gossamer.hierarchical_neighbor_allreduce(
+        x, self_weight=0.25 if M > 1 else 1.0, src_machine_weights=other,
+        dst_machine_weights=list(other),
+    )  # fmt: skip
+    return uniform, weighted
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("world_size", "k"), [(4, 2), (3, 3)])
+def test_half_types_average_where_the_machine_sum_would_overflow(dtype, world_size, k):
+    got = run_distributed(_half_near_the_top, world_size, args=(dtype,), env=_env(k))
+    machines = world_size // k
+    means = [30000.0 + 1000.0 * (m * k + (k - 1) / 2) for m in range(machines)]
+    for r, (uniform, weighted) in enumerate(got):
+        m = r // k
+        want_w = means[m] if machines == 1 else 0.25 * means[m] + 0.75 * means[(m + 1) % machines]
+        for value, want in ((uniform, sum(means) / machines), (weighted, want_w)):
+            assert value.dtype == dtype and torch.isfinite(value).all()
+            torch.testing.assert_close(
+                value.double(), torch.full((3,), want).double(), rtol=4e-3, atol=0
+            )

@@ -13,6 +13,8 @@ __all__ = [
     "REDUCE_OPS",
     "SUM_DTYPES",
     "check_reduce_op",
+    "explain_reduce",
+    "explain_root",
     "narrow_into",
     "reduce_code",
     "reduce_in_place",
@@ -73,14 +75,25 @@ def check_reduce_op(op: object, tensor: torch.Tensor, name: str) -> str:
         raise TypeError(f"{name}: op 'average' needs a floating tensor; got {tensor.dtype}")
     if op in _BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(f"{name}: op {op!r} needs an integer or bool tensor; got {tensor.dtype}")
-    if op in ("min", "max") and tensor.is_complex():
-        raise TypeError(f"{name}: op {op!r} is not defined for complex {tensor.dtype}")
+    if op in ("min", "max", "product") and tensor.is_complex():
+        # min/max: no order; product: gloo does not multiply complex numbers
+        raise TypeError(f"{name}: op {op!r} is not supported for complex {tensor.dtype}")
     return op  # type: ignore[return-value]
 
 
 def reduce_code(op: str) -> int:
     """The reduction's number on the wire."""
     return REDUCE_OPS.index(op)
+
+
+def explain_reduce(code: int) -> str:
+    """What :func:`reduce_code` wrote, for an error: ``"op sum"``."""
+    return f"op {REDUCE_OPS[code]}" if 0 <= code < len(REDUCE_OPS) else f"op #{code}"
+
+
+def explain_root(root: int) -> str:
+    """A rooted call's aux, for an error."""
+    return f"root {root}"
 
 
 def widen(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from gossamer.errors import PeerError
 from gossamer.ops._common import (
     SUM_DTYPES,
     check_reduce_op,
+    explain_reduce,
     narrow_into,
     reduce_code,
     reject,
@@ -30,6 +31,7 @@ from gossamer.transport import (
     DTYPES,
     Handle,
     as_bytes,
+    check_flag,
     check_tensor,
     from_bytes,
     group_rank,
@@ -82,6 +84,7 @@ def reduce_scatter(
     """
     try:
         check_tensor(tensor, SUM_DTYPES, "reduce_scatter")
+        check_flag(async_op, "async_op", "reduce_scatter")
         size = group_size(group)
         _check_blocks(tensor, size, "reduce_scatter")
         op = check_reduce_op(op, tensor, "reduce_scatter")
@@ -90,7 +93,9 @@ def reduce_scatter(
         raise
 
     def body() -> torch.Tensor:
-        transport.check_same_call("reduce_scatter", tensor, group, aux=reduce_code(op))
+        transport.check_same_call(
+            "reduce_scatter", tensor, group, aux=reduce_code(op), explain=explain_reduce
+        )
         wide = widen(tensor.contiguous())
         block = torch.empty(
             (tensor.shape[0] // size, *tensor.shape[1:]), dtype=wide.dtype, device=wide.device
@@ -152,6 +157,7 @@ def alltoall_v(
     """
     try:
         check_tensor(tensor, DTYPES, "alltoall_v")
+        check_flag(async_op, "async_op", "alltoall_v")
         if tensor.dim() == 0:
             raise ValueError("alltoall_v: tensor must have at least one dimension; got a scalar")
         size, me = group_size(group), group_rank(group)

@@ -19,6 +19,8 @@ from gossamer import transport
 from gossamer.ops._common import (
     SUM_DTYPES,
     check_reduce_op,
+    explain_reduce,
+    explain_root,
     reduce_code,
     reduce_in_place,
     reject,
@@ -90,7 +92,9 @@ def _allreduce(tensor, average, op, group, async_op, inplace) -> torch.Tensor | 
         raise
 
     def body() -> torch.Tensor:
-        transport.check_same_call("allreduce", tensor, group, aux=reduce_code(op))
+        transport.check_same_call(
+            "allreduce", tensor, group, aux=reduce_code(op), explain=explain_reduce
+        )
         out = _buffer(tensor, inplace)
         reduce_in_place(out, op, group)
         return _result(tensor, out, inplace)
@@ -165,7 +169,7 @@ def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
         raise
 
     def body() -> torch.Tensor:
-        transport.check_same_call("broadcast", tensor, group, aux=root)
+        transport.check_same_call("broadcast", tensor, group, aux=root, explain=explain_root)
         out = _buffer(tensor, inplace)
         global_root = root if group is None else dist.get_global_rank(group, root)
         work = dist.broadcast(as_bytes(out), global_root, group=group, async_op=True)

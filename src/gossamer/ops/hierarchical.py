@@ -147,11 +147,15 @@ def hierarchical_neighbor_allreduce(
         buf[x.nbytes :] = 0
         machine_sum = transport.from_bytes(buf[: x.nbytes], x.dtype, x.shape)
         machine_sum.copy_(x)
-        reduce_into(machine_sum, False, local)
+        # A half-precision machine sum can overflow where the average fits: such machines
+        # exchange their average (computed in float32) instead, as if of one rank each.
+        halves = x.dtype in (torch.float16, torch.bfloat16)
+        reduce_into(machine_sum, halves, local)
         failure: GossamerError | None = None
         if context.rank() == leader:
             try:
-                _combine_machines(op, machine_sum, sw, weights, dsts, uniform, layout.local_size)
+                per = 1 if halves else layout.local_size
+                _combine_machines(op, machine_sum, sw, weights, dsts, uniform, per)
             except GossamerError as err:
                 failure = err
                 buf[x.nbytes :] = _status(err)
@@ -234,12 +238,14 @@ def _combine_machines(
     )
     by_machine = {m: received[_leader(m)] for m in sources}
     with timeline.record(None, "combining"):
-        if uniform:  # one division, as BlueFog: (S_m + sum_k S_k) / (L (k + 1))
+        if uniform and local_size == 1:  # averages (half types), or one rank per machine
+            out, divisor = weighted_sum(machine_sum, None, by_machine, None, out=machine_sum), 1
+        elif uniform:  # one division, as BlueFog: (S_m + sum_k S_k) / (L (k + 1))
             out = weighted_sum(machine_sum, 1.0, by_machine, dict.fromkeys(sources, 1.0))
-            torch.div(out, local_size * (len(sources) + 1), out=machine_sum)
+            divisor = local_size * (len(sources) + 1)
         else:
-            out = weighted_sum(machine_sum, sw, by_machine, weights)
-            torch.div(out, local_size, out=machine_sum)
+            out, divisor = weighted_sum(machine_sum, sw, by_machine, weights), local_size
+        torch.div(out, divisor, out=machine_sum)
 
 
 # The leader's status after the result: 0, or the length of a JSON record of its failure,

@@ -16,6 +16,7 @@ from gossamer import transport
 from gossamer.transport import (
     DTYPES,
     Handle,
+    check_flag,
     check_rank,
     check_tensor,
     group_rank,
@@ -76,6 +77,7 @@ def send(
     """
     try:
         dst = _check(tensor, dst, "dst", "send", group)
+        check_flag(async_op, "async_op", "send")
     except (TypeError, ValueError) as err:
         _reject(err, tensor, _valid_peer(dst, group), [], group)
         raise
@@ -114,6 +116,7 @@ def recv(
     """
     try:
         src = _check(tensor, src, "src", "recv", group)
+        check_flag(async_op, "async_op", "recv")
     except (TypeError, ValueError) as err:
         _reject(err, tensor, [], _valid_peer(src, group), group)
         raise

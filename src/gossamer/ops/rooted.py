@@ -17,6 +17,8 @@ from gossamer import transport
 from gossamer.ops._common import (
     SUM_DTYPES,
     check_reduce_op,
+    explain_reduce,
+    explain_root,
     narrow_into,
     reduce_code,
     reject,
@@ -28,6 +30,7 @@ from gossamer.transport import (
     DTYPES,
     Handle,
     as_bytes,
+    check_flag,
     check_rank,
     check_tensor,
     from_bytes,
@@ -39,6 +42,10 @@ from gossamer.transport import (
 __all__ = ["gather", "reduce", "scatter"]
 
 _RANKS = 1 << 20  # header aux: root * _RANKS + reduction
+
+
+def _explain_reduce(aux: int) -> str:
+    return f"{explain_root(aux // _RANKS)}, {explain_reduce(aux % _RANKS)}"
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -86,6 +93,7 @@ def reduce(
     """
     try:
         check_tensor(tensor, SUM_DTYPES, "reduce")
+        check_flag(async_op, "async_op", "reduce")
         check_rank(root, "root", group_size(group))
         op = check_reduce_op(op, tensor, "reduce")
         me = group_rank(group)
@@ -94,7 +102,9 @@ def reduce(
         raise
 
     def body() -> torch.Tensor | None:
-        transport.check_same_call("reduce", tensor, group, aux=root * _RANKS + reduce_code(op))
+        transport.check_same_call(
+            "reduce", tensor, group, aux=root * _RANKS + reduce_code(op), explain=_explain_reduce
+        )
         out = tensor.contiguous().clone()
         wide = widen(out)
         where = _global(group, root)
@@ -137,6 +147,7 @@ def gather(
     """
     try:
         check_tensor(tensor, DTYPES, "gather")
+        check_flag(async_op, "async_op", "gather")
         _check_rows(tensor, "gather")
         size = group_size(group)
         check_rank(root, "root", size)
@@ -146,7 +157,7 @@ def gather(
         raise
 
     def body() -> torch.Tensor | None:
-        transport.check_same_call("gather", tensor, group, aux=root)
+        transport.check_same_call("gather", tensor, group, aux=root, explain=explain_root)
         data = as_bytes(tensor.contiguous())
         parts = [torch.empty_like(data) for _ in range(size)] if me == root else None
         where = _global(group, root)
@@ -189,6 +200,7 @@ def scatter(
     """
     try:
         check_tensor(tensor, DTYPES, "scatter")
+        check_flag(async_op, "async_op", "scatter")
         size = group_size(group)
         check_rank(root, "root", size)
         if tensor.dim() == 0 or tensor.shape[0] % size:
@@ -202,7 +214,7 @@ def scatter(
         raise
 
     def body() -> torch.Tensor:
-        transport.check_same_call("scatter", tensor, group, aux=root)
+        transport.check_same_call("scatter", tensor, group, aux=root, explain=explain_root)
         shape = (tensor.shape[0] // size, *tensor.shape[1:])
         data = as_bytes(tensor.contiguous())
         out = torch.empty(data.numel() // size, dtype=torch.uint8, device=data.device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -180,12 +181,10 @@ class Header:
             return same and self.shape[1:] == other.shape[1:]
         return same and self.shape == other.shape
 
-    def describe(self) -> str:
-        """``"neighbor_allreduce of float32[3, 4]"``, plus what ``aux`` means to the call."""
-        if self.op == "broadcast":
-            extra = f" (root {self.aux})"
-        elif self.op == "window_create":
-            extra = f" (push_sum={bool(self.aux & 1)}, elastic={bool(self.aux & 2)})"
+    def describe(self, explain: Callable[[int], str] | None = None) -> str:
+        """``"allreduce (op sum) of float32[3, 4]"``: ``explain(aux)`` says what aux means."""
+        if explain is not None:
+            extra = f" ({explain(self.aux)})"
         else:
             extra = f" (aux {self.aux})" if self.aux else ""
         return f"{self.op}{extra} of {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"

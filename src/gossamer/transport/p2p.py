@@ -595,10 +595,12 @@ def check_same_call(
     any_first_dim: bool = False,
     rejection: str | None = None,
     codec: int = 0,
+    explain: Callable[[int], str] | None = None,
 ) -> list[tuple[int, ...]]:
     """Check that every rank of ``group`` made the same call; return every rank's shape.
 
-    ``codec`` names the compressor of a compressed payload (checked like the dtype).
+    ``codec`` names the compressor of a compressed payload (checked like the dtype);
+    ``explain(aux)`` says what ``aux`` means, for the error (``"root 2"``).
 
     With ``rejection`` (a reason), this rank takes part in a call whose arguments it
     rejected: ``tensor`` is ignored, every other rank raises, and this one returns ``[]``.
@@ -627,8 +629,10 @@ def check_same_call(
     first = heads[0]
     wrong = [r for r, h in enumerate(heads) if not first.matches(h, any_first_dim)]
     if wrong:
-        text = "; ".join(f"rank {r} called {heads[r].describe()}" for r in wrong)
-        raise PeerError(f"{op}: mismatched call: rank 0 called {first.describe()}, but {text}")
+        text = "; ".join(f"rank {r} called {heads[r].describe(explain)}" for r in wrong)
+        raise PeerError(
+            f"{op}: mismatched call: rank 0 called {first.describe(explain)}, but {text}"
+        )
     return [h.shape for h in heads]
 
 

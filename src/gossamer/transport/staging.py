@@ -105,12 +105,20 @@ def staged(fn: F | None = None, *, over_gloo: bool = False) -> Any:
 
     When :func:`needs_staging`, ``fn`` gets a host copy of ``tensor``; its result (or its
     handle's, for ``async_op=True``) comes back on ``tensor``'s device, and a result that
-    is the host copy itself (an in-place operation) is copied into ``tensor``.
+    is the host copy itself (an in-place operation) is copied into ``tensor``. Either way
+    ``fn`` gets ``tensor`` detached: communication is not differentiable, so no result
+    carries an autograd graph (an in-place result is still ``tensor`` itself).
     """
 
     def wrap(op: F) -> F:
         @functools.wraps(op)
         def run(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                plain = tensor.detach()
+                result = run(plain, *args, **kwargs)
+                if isinstance(result, Handle):
+                    return result.then(lambda done: tensor if done is plain else done)
+                return tensor if result is plain else result
             if not needs_staging(tensor, kwargs.get("group"), over_gloo=over_gloo):
                 return op(tensor, *args, **kwargs)
             host = to_host(tensor)

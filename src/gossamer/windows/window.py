@@ -156,7 +156,9 @@ class Window:
             raise
 
         def body() -> Window:
-            check_same_call("window_create", tensor, None, aux=push_sum + 2 * elastic)
+            check_same_call(
+                "window_create", tensor, None, aux=push_sum + 2 * elastic, explain=_explain_create
+            )
             wid = windows.next_id()
             service = windows.start_service()
             me = context.rank()
@@ -614,6 +616,10 @@ class Window:
             raise ValueError(f"Window.mutex: ranks must not contain this rank ({me})")
         state, svc = self._require(), registry().service
         return local_locks(svc, state, chosen) if for_self else remote_locks(svc, state, chosen)
+
+
+def _explain_create(aux: int) -> str:
+    return f"push_sum={bool(aux & 1)}, elastic={bool(aux & 2)}"
 
 
 def _default_name(wid: int, taken: Container[str]) -> str:
