@@ -133,6 +133,14 @@ def test_hosts_start_one_agent_per_machine(tmp_path):
     [
         (["-np", "0", "REPORT"], "-np must be an integer >= 1"),
         (["-np", "2", "-H", "a:1,,b:1", "REPORT"], "-H/--hosts entry"),
+        (
+            ["-np", "4", "--nproc-per-node", "2", "REPORT"],
+            "-np 4 disagrees with --nproc-per-node 2 x --nnodes 1 = 2",
+        ),
+        (
+            ["-np", "2", "--elastic", "--min-ranks", "5", "REPORT"],
+            "--min-ranks 5 is more than the 2 ranks of this machine",
+        ),
     ],
 )
 def test_bad_input_fails_before_anything_starts(tmp_path, args, message):

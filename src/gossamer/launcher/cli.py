@@ -361,6 +361,16 @@ def _plan(args: argparse.Namespace, command: list[str]) -> _Plan:
                 "give --nproc-per-node on each machine instead"
             )
         per_node = args.num_proc // nnodes
+    elif args.num_proc is not None and not resizable and args.num_proc != per_node * nnodes:
+        raise ValueError(
+            f"-np {args.num_proc} disagrees with --nproc-per-node {per_node} x --nnodes "
+            f"{nnodes} = {per_node * nnodes}; give one of them"
+        )
+    if args.min_ranks is not None and args.min_ranks > per_node:
+        raise ValueError(
+            f"--min-ranks {args.min_ranks} is more than the {per_node} ranks of this machine "
+            "(it counts this machine's live ranks)"
+        )
     if nnodes > 1 and not args.rdzv_endpoint:
         raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint host:port")
     if args.node_rank is not None:
