@@ -9,6 +9,10 @@ variable                       default    meaning
                                           available); :func:`gossamer.init` may override it
 ``GOSSAMER_TIMEOUT``           ``300``    seconds any blocking wait may take before it raises
                                           :class:`~gossamer.errors.CommunicationTimeout`
+``GOSSAMER_DEAD_AFTER``        ``3``      seconds a peer's heartbeat may stand still, while
+                                          this rank waits for it, before the peer counts
+                                          as lost; raise it for programs that hold the GIL
+                                          that long in one C call
 ``GOSSAMER_NODES_PER_MACHINE`` unset      fake machine boundaries on one host: ranks
                                           ``k*m .. k*m+k-1`` form machine ``m``;
                                           ``BLUEFOG_NODES_PER_MACHINE`` is the fallback
@@ -81,6 +85,7 @@ class Settings:
 
     backend: str = "gloo"
     timeout: float = 300.0
+    dead_after: float = 3.0  # a heartbeat that stood still this long marks its rank lost
     nodes_per_machine: int | None = None
     log_level: str = "WARNING"
     timeline: str | None = None  # path prefix of the Chrome-trace timeline; None is off
@@ -124,6 +129,19 @@ def _int(env: Mapping[str, str], name: str, *, minimum: int) -> int | None:
     return value
 
 
+def _seconds(env: Mapping[str, str], name: str, default: str) -> float:
+    raw = env.get(name, default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(
+            f"environment variable {name} must be a positive number of seconds; got {raw!r}"
+        )
+    return value
+
+
 def _flag(env: Mapping[str, str], name: str) -> bool:
     raw = env.get(name, "0")
     if raw not in ("0", "1"):
@@ -139,16 +157,6 @@ def settings(env: Mapping[str, str] | None = None) -> Settings:
         raise ValueError(
             f"environment variable GOSSAMER_BACKEND must be one of {BACKENDS}; got {backend!r}"
         )
-    raw_timeout = env.get("GOSSAMER_TIMEOUT", "300")
-    try:
-        timeout = float(raw_timeout)
-    except ValueError:
-        timeout = float("nan")
-    if not timeout > 0 or timeout == float("inf"):
-        raise ValueError(
-            f"environment variable GOSSAMER_TIMEOUT must be a positive number of "
-            f"seconds; got {raw_timeout!r}"
-        )
     level = env.get("GOSSAMER_LOG_LEVEL", "WARNING").upper()
     if level not in _LOG_LEVELS:
         raise ValueError(
@@ -156,7 +164,8 @@ def settings(env: Mapping[str, str] | None = None) -> Settings:
         )
     return Settings(
         backend=backend,
-        timeout=timeout,
+        timeout=_seconds(env, "GOSSAMER_TIMEOUT", "300"),
+        dead_after=_seconds(env, "GOSSAMER_DEAD_AFTER", "3"),
         nodes_per_machine=_int(env, "GOSSAMER_NODES_PER_MACHINE", minimum=1)
         or _int(env, "BLUEFOG_NODES_PER_MACHINE", minimum=1),
         log_level=level,

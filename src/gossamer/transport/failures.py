@@ -15,9 +15,9 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 
-from gossamer import context
+from gossamer import context, env
 from gossamer.errors import CommunicationTimeout, PeerError, RankLostError
-from gossamer.transport.liveness import BEAT_S, DEAD_AFTER_S, Liveness, get_liveness
+from gossamer.transport.liveness import BEAT_S, Liveness, get_liveness
 
 __all__ = ["find_lost", "is_backend_error", "lost_error", "translate", "wait_works"]
 
@@ -30,7 +30,8 @@ def lost_error(op: str, ranks: Iterable[int]) -> RankLostError:
     ranks = sorted(ranks)
     who = f"rank {ranks[0]} was" if len(ranks) == 1 else f"ranks {ranks} were"
     return RankLostError(
-        f"{op}: {who} lost (its process died or left the job); rank {context.rank()} "
+        f"{op}: {who} lost (its process died or left the job, or its heartbeat stood still "
+        f"for GOSSAMER_DEAD_AFTER={env.settings().dead_after:g} s); rank {context.rank()} "
         "cannot use the process group any more",
         ranks,
     )
@@ -46,7 +47,7 @@ def is_backend_error(err: BaseException) -> bool:
 
 def _find_lost(live: Liveness, patient: bool) -> set[int]:
     """Lost ranks; when ``patient``, read the heartbeats long enough to see a death."""
-    deadline = time.monotonic() + (DEAD_AFTER_S + 2 * BEAT_S if patient else 0.0)
+    deadline = time.monotonic() + (live.dead_after + 2 * BEAT_S if patient else 0.0)
     while True:
         lost = live.check()
         if lost or time.monotonic() >= deadline:
@@ -58,7 +59,7 @@ def find_lost(patient: bool = True) -> set[int]:
     """The ranks the heartbeats show lost (none without peers).
 
     ``patient``: when none is known lost yet, read the heartbeats for as long as a death
-    takes to show (:data:`~gossamer.transport.liveness.DEAD_AFTER_S` and two beats).
+    takes to show (``GOSSAMER_DEAD_AFTER`` and two beats).
     """
     live = get_liveness()
     if live is None:

@@ -6,7 +6,8 @@ already failed) waits for the whole deadline. So every rank runs a small daemon 
 writes a counter to the store every :data:`BEAT_S` (``gossamer/alive/<rank>``). The counters
 are read after a transfer failed (:mod:`~gossamer.transport.failures`), and by the same
 thread when the operation in progress has run for :data:`STALL_S` (the engine's watchdog);
-a rank whose counter has not moved for :data:`DEAD_AFTER_S` is lost, and the operation
+a rank whose counter has not moved for ``GOSSAMER_DEAD_AFTER`` seconds (default
+:data:`DEAD_AFTER_S`) is lost, and the operation
 raises :class:`~gossamer.errors.RankLostError` naming it. A rank found lost stays lost:
 every later operation raises at once.
 
@@ -37,7 +38,7 @@ logger = logging.getLogger("gossamer")
 
 BEAT_S = 0.5  # a rank writes its counter this often
 STALL_S = 0.5  # a wait this long starts reading the counters
-DEAD_AFTER_S = 3.0  # a counter unchanged this long (as observed here) marks its rank lost
+DEAD_AFTER_S = 3.0  # default: a counter unchanged this long (seen here) marks its rank lost
 _PREFIX = "gossamer/alive/"
 
 
@@ -56,6 +57,7 @@ class Liveness:
         self._writer, self._store = store.clone(), store.clone()
         self._rank, self._size = rank, size
         self._store_host = store_host
+        self.dead_after = env.settings().dead_after
         self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (counter, when it changed)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -111,7 +113,7 @@ class Liveness:
             last = self._seen.get(rank)
             if last is None or last[0] != value:
                 self._seen[rank] = (value, now)
-            elif now - last[1] >= DEAD_AFTER_S:
+            elif now - last[1] >= self.dead_after:
                 self.lost.add(rank)
         return set(self.lost)
 

@@ -24,7 +24,7 @@ matched on both sides, whichever of them saw the death. No survivor is then left
 for a message that will never come (which would stall it until the deadline and leave a
 posted receive behind to swallow a later message). A failed transfer is taken as a death
 only once the peer's heartbeat (:mod:`~gossamer.transport.liveness`) has stopped too,
-which takes up to ``DEAD_AFTER_S`` plus a beat. Measured on loopback (4 ranks, gloo,
+which takes up to ``GOSSAMER_DEAD_AFTER`` seconds plus a beat. Measured on loopback (4 ranks, gloo,
 torch 2.13): after a SIGKILL, the neighbours' transfers with the dead rank fail within
 0.07 s, and transfers among the survivors on the same (world) process group keep working.
 """
@@ -672,7 +672,7 @@ def _confirm_dead(op: str, failed: dict[int, str]) -> None:
     if -1 in failed:
         raise PeerError(f"{op}: a coalesced transfer failed (elastic gossip needs gloo)")
     live = get_liveness()
-    deadline = time.monotonic() + DEAD_AFTER_S + 2 * BEAT_S
+    deadline = time.monotonic() + (live.dead_after if live else DEAD_AFTER_S) + 2 * BEAT_S
     while True:
         lost = live.check() if live is not None else set()
         if set(failed) <= lost:
