@@ -67,6 +67,12 @@ def send(
     Any dtype; the receiver's tensor must have the same dtype and shape. Returns when the
     transfer completed (or a Handle).
 
+    With ``async_op=True`` too, operations run one at a time in call order (on the
+    communication thread), and a send completes only once ``dst`` receives it. So two
+    ranks that each send to the other and then receive wait for each other until the
+    deadline, as blocking MPI sends do; to swap tensors call :func:`gossamer.pair_gossip`
+    (or let the lower rank send first).
+
     Raises:
         TypeError, ValueError: a bad tensor or ``dst`` (``dst`` then raises
             PeerArgumentError when it is a valid rank).
