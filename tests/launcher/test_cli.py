@@ -45,6 +45,11 @@ def test_single_machine_plan_rendezvouses_on_loopback():
     ]
 
 
+@pytest.mark.parametrize("spelling", ["-np", "--np", "--num-proc"])
+def test_np_has_the_spellings_of_mpirun_and_horovodrun(spelling):
+    assert "--nproc-per-node=2" in _plan(["run", spelling, "2", "a.py"]).torchrun
+
+
 def test_the_loopback_backend_name_matches_the_module():
     from gossamer.launcher import loopback
 

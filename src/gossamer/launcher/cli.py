@@ -28,6 +28,7 @@ __all__ = ["build_parser", "main"]
 # Our options that take a value; used to find where the user's command starts.
 _VALUED = {
     "-np",
+    "--np",
     "--num-proc",
     "-H",
     "--hosts",
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "-np",
+        "--np",  # else argparse takes it for an abbreviation of --nproc-per-node
         "--num-proc",
         type=_positive_int("-np"),
         dest="num_proc",
