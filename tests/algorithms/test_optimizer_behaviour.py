@@ -495,3 +495,31 @@ def _bad_flag():
 
 def test_find_unused_parameters_must_be_a_bool():
     assert all(run_distributed(_bad_flag, 2))
+
+
+def _clipped(world_size, steps, max_norm):
+    model = Branchy()
+    opt = optim.GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x, y = _data(gossamer.rank())
+    for _ in range(steps):
+        opt.zero_grad()
+        ((model(x, False) - y.float()) ** 2).mean().mul(gossamer.rank() + 1).backward()
+        opt.synchronize()  # the documented order: average, then clip, then step
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+    return model.main.weight.detach().clone()
+
+
+def test_gradients_clipped_after_synchronize_are_the_averaged_ones_clipped():
+    steps, max_norm = 3, 0.05
+    model = Branchy()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [_data(r) for r in range(3)]
+    for _ in range(steps):
+        sgd.zero_grad()
+        for r, (x, y) in enumerate(data):
+            ((model(x, False) - y.float()) ** 2).mean().mul(r + 1).div(3).backward()
+        assert nn.utils.clip_grad_norm_(model.parameters(), max_norm) > max_norm  # it clips
+        sgd.step()
+    for weight in run_distributed(_clipped, 3, args=(3, steps, max_norm)):
+        torch.testing.assert_close(weight, model.main.weight.detach(), rtol=1e-5, atol=1e-7)

@@ -36,6 +36,12 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
     after ``zero_grad()``), as in torch DDP with the same flag, for one more allreduce of a
     bit per parameter each communicating step.
 
+    The averaged gradients are written by :meth:`synchronize`, which :meth:`step` calls: after
+    ``backward()`` the gradients are still this rank's own (torch DDP's are averaged by
+    then). To clip or unscale averaged gradients, call ``opt.synchronize()`` first, then
+    change them, then ``opt.step()`` (which does not average again); changed before
+    :meth:`synchronize`, they are overwritten by the average of the unchanged ones.
+
     Example:
         >>> opt = GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.1), model)
         >>> loss_fn(model(x), y).backward()   # allreduce of each bucket starts in here
