@@ -117,21 +117,48 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def _checked(kind, test, rule: str):
+    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    parser.add_argument("--numel", type=int, help="elements (overrides the preset's)")
-    parser.add_argument("--reps", type=int, help="repetitions (overrides the preset's)")
+    parser.add_argument("--numel", type=_POSITIVE, help="elements (overrides the preset's)")
+    parser.add_argument("--reps", type=_POSITIVE, help="repetitions (overrides the preset's)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--stat", choices=["median", "min"], default="median")
     parser.add_argument("--specs", nargs="+", default=SPECS, help="compressor specs")
     parser.add_argument("--device", default="cpu", help="where the tensor lives (cpu, cuda)")
     parser.add_argument("--out", default="results", help="folder for bench_compression.{md,json}")
     args = parser.parse_args()
+    for spec in args.specs:  # every spec now, not after the first rows have run
+        try:
+            get_compressor(spec, argument="--specs")
+        except ValueError as err:
+            parser.error(str(err))
     numel, reps = PRESETS[args.preset]
-    numel, reps = args.numel or numel, args.reps or reps
+    numel = args.numel if args.numel is not None else numel
+    reps = args.reps if args.reps is not None else reps
     torch.set_num_threads(1)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        parser.error(f"--device {args.device!r}: {err}")
     if device.type != "cpu" and args.clock == "cpu":
         parser.error(f"--clock cpu times the host thread only; got --device {args.device}")
     clock = time.perf_counter if args.clock == "wall" else time.thread_time

@@ -2,9 +2,9 @@
 
     gossamer run -np 4 benchmarks/bench_ops.py [--preset smoke] [--sizes 1e6] [--reps 25]
 
-For each size (float32 elements) and each operation, every repetition starts after a
-barrier and its time is the slowest rank's; the table shows medians and the ratio of each
-gossamer operation to its raw torch.distributed equivalent:
+It needs at least 2 ranks. For each size (float32 elements) and each operation, every
+repetition starts after a barrier and its time is the slowest rank's; the table shows
+medians and the ratio of each gossamer operation to its raw torch.distributed equivalent:
 
 - ``allreduce`` / ``allreduce_`` vs ``torch all_reduce`` (in place, then / n),
 - dynamic one-peer ``neighbor_allreduce`` vs a raw ``batch_isend_irecv`` one-peer exchange
@@ -150,17 +150,57 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _checked(convert):
+    """An argparse ``type=``: ``convert(text)``, its ValueError an error of the option."""
+
+    def parse(text: str):
+        try:
+            return convert(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{err}; got {text}") from None
+
+    return parse
+
+
+def _count(text: str) -> int:
+    """A whole number >= 1, also written as a float (``1e6``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("must be a whole number >= 1") from None
+    if not value.is_integer() or value < 1:
+        raise ValueError("must be a whole number >= 1")
+    return int(value)
+
+
+def _counts(text: str) -> list[int]:
+    return [_count(part) for part in text.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--out", default="results", help="folder for bench_ops.{md,json}")
-    parser.add_argument("--sizes", help="comma-separated element counts (instead of the preset's)")
-    parser.add_argument("--reps", type=int, help="repetitions (instead of the preset's)")
+    parser.add_argument(
+        "--sizes",
+        type=_checked(_counts),
+        help="comma-separated element counts, e.g. 1e4,1e6 (instead of the preset's)",
+    )
+    parser.add_argument(
+        "--reps", type=_checked(_count), help="repetitions, >= 1 (instead of the preset's)"
+    )
     args = parser.parse_args()
     gossamer.init()
+    if gossamer.size() < 2:  # a world of one has nobody to exchange with
+        size = gossamer.size()
+        gossamer.shutdown()
+        parser.error(
+            f"needs at least 2 ranks (it times exchanges between ranks); got {size}: "
+            "run it under the launcher, e.g. gossamer run -np 4 benchmarks/bench_ops.py"
+        )
     sizes, reps = PRESETS[args.preset]
-    sizes = [int(float(n)) for n in args.sizes.split(",")] if args.sizes else sizes
-    reps = args.reps or reps
+    sizes = args.sizes if args.sizes is not None else sizes
+    reps = args.reps if args.reps is not None else reps
     results = {n: measure(n, reps) for n in sizes}
     if gossamer.rank() == 0:
         text = table(results)

@@ -43,6 +43,7 @@ from torch import nn
 import gossamer
 from gossamer import compression, optim, profiling
 from gossamer import topology as topo
+from gossamer.communicators.powersgd import parse_powersgd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_digits import accuracy, load_digits, make_model, split
@@ -162,19 +163,52 @@ def table(results: list[dict], steps: int, size: int) -> str:
     ]
     for r in results:
         ref = base[baseline.get(r["optimizer"], "allreduce")]
+        # A world of one sends nothing: no ratio to show.
+        ratio = f"{r['bytes'] / ref['bytes']:.3f}" if ref["bytes"] else "-"
         lines.append(
             f"| {r['name']} | {100 * r['accuracy']:.2f} | "
             f"{100 * (r['accuracy'] - ref['accuracy']):+.2f} | "
-            f"{100 * r['averaged_model_accuracy']:.2f} | {r['bytes']:,.0f} | "
-            f"{r['bytes'] / ref['bytes']:.3f} |"
+            f"{100 * r['averaged_model_accuracy']:.2f} | {r['bytes']:,.0f} | {ratio} |"
         )
     return "\n".join(lines)
 
 
+def _checked(kind, test, rule: str):
+    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+
+
+def _check_compressor(spec: str) -> None:
+    """Raise ValueError unless ``spec`` is a compressor that compressed allreduce takes."""
+    try:
+        if parse_powersgd(spec) is not None:  # torch's PowerSGD
+            return
+    except ValueError as err:  # a bad rank
+        raise ValueError(f"--compressors={spec!r}: {err}") from None
+    if compression.get_compressor(spec, argument="--compressors").name == "none":
+        raise ValueError(
+            f"--compressors={spec!r}: the uncompressed row, allreduce, always runs; "
+            "give compressors only"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="training steps per run")
-    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
+    parser.add_argument("--steps", type=_POSITIVE, default=300, help="training steps per run")
+    parser.add_argument("--batch-size", type=_POSITIVE, default=16, help="per rank")
     parser.add_argument(
         "--lr",
         type=float,
@@ -190,7 +224,10 @@ def main() -> None:
         "momentum-corrected update) instead of on the averaged gradient",
     )
     parser.add_argument(
-        "--warmup", type=int, default=0, help="uncompressed steps before the compressor's"
+        "--warmup",
+        type=_checked(int, lambda n: n >= 0, ">= 0"),
+        default=0,
+        help="uncompressed steps before the compressor's",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -200,11 +237,20 @@ def main() -> None:
     parser.add_argument("--name", default="compression_accuracy", help="results file stem")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
+    for spec in args.compressors:  # all now, not after the rows before a bad one trained
+        try:
+            _check_compressor(spec)
+        except ValueError as err:
+            parser.error(str(err))
     if args.lr is None:
         args.lr = 3e-3 if args.optimizer == "adam" else 0.1
     gossamer.init()
     torch.manual_seed(args.seed)
     data = split(*load_digits(), 0.2, args.seed)
+    smallest = len(data[0][1]) // gossamer.size()  # the smallest shard
+    if args.batch_size > smallest:
+        gossamer.shutdown()
+        parser.error(f"--batch-size must be <= {smallest}, a shard's size; got {args.batch_size}")
     results = []
     for name, options in configurations(args.compressors, not args.no_gossip):
         acc, averaged, sent, seconds = train(options, data, args)

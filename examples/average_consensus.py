@@ -129,11 +129,29 @@ def plot(errors, title, path):
     plt.close(fig)
 
 
+def _checked(kind, test, rule: str):
+    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topology", choices=sorted(TOPOLOGIES), default="exponential")
-    parser.add_argument("--data-size", type=int, default=100_000)
-    parser.add_argument("--max-iters", type=int, default=20)
+    parser.add_argument("--data-size", type=_POSITIVE, default=100_000)
+    parser.add_argument("--max-iters", type=_checked(int, lambda n: n >= 0, ">= 0"), default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--dynamic", action="store_true", help="one peer per step (one_peer_exponential)"
@@ -145,7 +163,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--work-ms",
-        type=float,
+        type=_checked(float, lambda ms: ms >= 0, ">= 0"),
         default=10.0,
         help="with --asynchronous: mean duration of the simulated local work per step "
         "(random, 0.5x to 1.5x, per rank); 0 lets the ranks race",

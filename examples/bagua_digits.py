@@ -178,17 +178,38 @@ def make_algorithm(args, model):
     return optimizer, algorithm
 
 
+def _checked(kind, test, rule: str):
+    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Bagua's MNIST example on the digits")
-    parser.add_argument("--batch-size", type=int, default=64, help="over all ranks")
-    parser.add_argument("--test-batch-size", type=int, default=1000)
-    parser.add_argument("--epochs", type=int, default=14)
+    parser.add_argument("--batch-size", type=_POSITIVE, default=64, help="over all ranks")
+    parser.add_argument("--test-batch-size", type=_POSITIVE, default=1000)
+    parser.add_argument("--epochs", type=_POSITIVE, default=14)
     parser.add_argument(
-        "--passes", type=int, default=8, help="passes over the shard per epoch (MNIST is longer)"
+        "--passes",
+        type=_POSITIVE,
+        default=8,
+        help="passes over the shard per epoch (MNIST is longer)",
     )
     parser.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate")
     parser.add_argument("--gamma", type=float, default=0.7, help="learning-rate decay per epoch")
-    parser.add_argument("--log-interval", type=int, default=10)
+    parser.add_argument("--log-interval", type=_POSITIVE, default=10)
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="gradient_allreduce")
     parser.add_argument("--async-sync-interval", type=int, default=500, help="ms, for async")
     parser.add_argument("--qadam-lr", type=float, default=1e-3, help="QAdam learning rate")
@@ -198,8 +219,6 @@ def main() -> None:
     parser.add_argument("--set-deterministic", action="store_true")
     parser.add_argument("--seed", type=int, default=666)
     args = parser.parse_args()
-    if args.passes < 1:
-        parser.error(f"--passes must be >= 1; got {args.passes}")
 
     if args.set_deterministic:
         np.random.seed(args.seed)

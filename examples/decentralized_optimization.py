@@ -194,6 +194,24 @@ def plot(histories, title, path):
     plt.close(fig)
 
 
+def _checked(kind, test, rule: str):
+    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problem", choices=("least_squares", "logistic"), default="least_squares")
@@ -201,14 +219,14 @@ def main() -> None:
         "--method", choices=("all", *METHODS), default="all", help="all: every method in turn"
     )
     parser.add_argument("--topology", choices=sorted(TOPOLOGIES), default="exponential")
-    parser.add_argument("--samples", type=int, default=100, help="data points per rank")
-    parser.add_argument("--dim", type=int, default=10)
+    parser.add_argument("--samples", type=_POSITIVE, default=100, help="data points per rank")
+    parser.add_argument("--dim", type=_POSITIVE, default=10)
     parser.add_argument(
         "--lr", type=float, default=None, help="default: 0.2 (least squares), 2.0 (logistic)"
     )
     parser.add_argument("--rho", type=float, default=0.01, help="L2 weight (logistic)")
-    parser.add_argument("--max-iters", type=int, default=200)
-    parser.add_argument("--print-every", type=int, default=10)
+    parser.add_argument("--max-iters", type=_checked(int, lambda n: n >= 0, ">= 0"), default=200)
+    parser.add_argument("--print-every", type=_POSITIVE, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the PNG")
     args = parser.parse_args()

@@ -50,16 +50,36 @@ OPTIMIZERS = {
 NEIGHBOURLY = ("awc", "atc", "win_put", "push_sum")  # the ones a topology applies to
 
 
+def _checked(kind, test, rule: str):
+    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("resnet", "mlp"), default="resnet")
     parser.add_argument("--optimizer", choices=("ddp", *OPTIMIZERS), default="awc")
     parser.add_argument("--dynamic", action="store_true", help="one peer per step")
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--num-warmup-batches", type=int, default=3)
-    parser.add_argument("--num-batches-per-iter", type=int, default=5)
+    parser.add_argument("--batch-size", type=_POSITIVE, default=32, help="per rank")
+    parser.add_argument(
+        "--num-warmup-batches", type=_checked(int, lambda n: n >= 0, ">= 0"), default=3
+    )
+    parser.add_argument("--num-batches-per-iter", type=_POSITIVE, default=5)
     parser.add_argument("--num-iters", type=int, default=5)
-    parser.add_argument("--num-classes", type=int, default=10)
+    parser.add_argument("--num-classes", type=_POSITIVE, default=10)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.dynamic and args.optimizer not in NEIGHBOURLY:

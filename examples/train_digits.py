@@ -48,7 +48,7 @@ from torch import nn
 from tqdm import tqdm
 
 import gossamer
-from gossamer import optim
+from gossamer import compression, optim
 from gossamer import topology as topo
 from gossamer.data import load_digits
 from gossamer.models import SmallCNN
@@ -72,11 +72,25 @@ def split(images, labels, test_fraction, seed):
 
 
 def accuracy(model, images, labels) -> float:
-    """Fraction of ``images`` that ``model`` labels correctly."""
+    """Fraction of ``images`` that ``model`` labels correctly; ``model`` is left unchanged.
+
+    A model prepared for quantization-aware training (``compression.quantize_model``) is
+    evaluated with its observers off: eval mode alone does not stop them, and the test
+    images would move its quantization ranges. Those that were on are turned back on.
+    """
+    modules = dict(model.named_modules())
+    quantizers = [modules[name] for name in compression.fake_quant_modules(model)]
+    observing = [q for q in quantizers if q.observer_enabled[0]]
+    for quantizer in observing:
+        quantizer.disable_observer()
     model.eval()
-    with torch.no_grad():
-        correct = (model(images).argmax(dim=1) == labels).sum().item()
-    model.train()
+    try:
+        with torch.no_grad():
+            correct = (model(images).argmax(dim=1) == labels).sum().item()
+    finally:
+        model.train()
+        for quantizer in observing:
+            quantizer.enable_observer()
     return correct / len(labels)
 
 
@@ -137,19 +151,39 @@ def plot(history, title, path):
     plt.close(fig)
 
 
+def _checked(kind, test, rule: str):
+    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="atc")
     parser.add_argument("--topology", choices=("exponential", "one_peer"), default="exponential")
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
+    parser.add_argument("--epochs", type=_POSITIVE, default=15)
+    parser.add_argument("--batch-size", type=_POSITIVE, default=16, help="per rank")
     parser.add_argument(
         "--lr", type=float, default=3e-3, help="Adam learning rate (cosine decay to 0)"
     )
     parser.add_argument(
         "--compression", default=None, help='compress what travels: "uint8", "topk:0.01", ...'
     )
-    parser.add_argument("--test-fraction", type=float, default=0.2)
+    parser.add_argument(
+        "--test-fraction", type=_checked(float, lambda f: 0 < f < 1, "in (0, 1)"), default=0.2
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baseline", action="store_true", help="skip the 1-process run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -162,6 +196,17 @@ def main() -> None:
     shard_images, shard_labels = train[0][rank::size], train[1][rank::size]
     # The synchronous optimizers need every rank to take the same number of steps.
     steps_per_epoch = len(train[1]) // (size * args.batch_size)
+    n_train = len(train[1])
+    problem = None  # nothing to train or to test on
+    if len(test_labels) == 0 or n_train < size:
+        problem = f"--test-fraction {args.test_fraction} leaves {len(test_labels)} test and "
+        problem += f"{n_train} training images for {size} ranks"
+    elif steps_per_epoch == 0:
+        problem = f"--batch-size must be <= {n_train // size} ({n_train} training images over "
+        problem += f"{size} ranks); got {args.batch_size}"
+    if problem:
+        gossamer.shutdown()
+        parser.error(problem)
 
     model = make_model(args.seed)
     optim.broadcast_parameters(model.state_dict(), root_rank=0)  # one starting point

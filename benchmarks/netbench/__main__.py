@@ -4,9 +4,10 @@
         [--hosts 4] [--ranks-per-host 1,2] [--models mlp,resnet,transformer]
         [--accuracy-steps 300 --accuracy-rate 100mbit] [--out results/netbench]
 
-Needs root and iproute2; says which is missing and exits 1 otherwise. Throughput: every
-model and strategy at every rate and layout (:mod:`benchmarks.netbench.worker`). Time to
-accuracy: at ``--accuracy-rate`` with the first layout, every strategy trains on digits for
+Options are checked first: a bad value exits with code 2 and says which. Needs root and
+iproute2; says which is missing and exits 1 otherwise. Throughput: every model and strategy
+at every rate and layout (:mod:`benchmarks.netbench.worker`). Time to accuracy: at
+``--accuracy-rate`` with the first layout, every strategy trains on digits for
 ``--accuracy-steps`` steps (:mod:`benchmarks.netbench.accuracy`; 0 skips it). Writes
 ``results.md`` (tables, targets), ``rows.json`` and ``accuracy.json`` (every measurement),
 one ``<model>.png`` per model and ``accuracy.png`` under ``--out``; per-host launcher logs
@@ -17,15 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.netbench import report
+from benchmarks.netbench.accuracy import STRATEGIES as ACCURACY_STRATEGIES
 from benchmarks.netbench.cluster import (
     CONGESTION,
     Cluster,
     format_rate,
+    parse_rate,
     parse_rates,
     preflight,
 )
@@ -54,27 +58,146 @@ PRESETS = {
 TWO_PER_HOST = ("compute", "ddp", "atc/one-peer", "hier-atc")
 
 
+def _checked(convert, test=None, rule: str = ""):
+    """An argparse ``type=``: ``convert(text)``, refused unless ``test(value)`` ("must be rule").
+
+    ``convert``'s ValueError becomes the option's error too, so every bad value is an
+    argparse error (exit code 2, the option and the value named) before :func:`preflight`.
+    """
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError as err:
+            name = getattr(convert, "__name__", "")
+            message = f"invalid {name} value: {text!r}" if name in ("int", "float") else err
+            raise argparse.ArgumentTypeError(str(message)) from None
+        if test is not None and not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+def _names(known: tuple[str, ...], what: str, *, allow_none: bool = False):
+    """A comma-separated list of ``known`` names; returns the text as given."""
+
+    def convert(text: str) -> str:
+        names = [name for name in text.split(",") if name]
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise ValueError(
+                f"unknown {what} {', '.join(map(repr, unknown))}; valid: {','.join(known)}"
+            )
+        if not names and not allow_none:
+            raise ValueError(f"no {what} given in {text!r}; valid: {','.join(known)}")
+        return text
+
+    return convert
+
+
+def _layouts(text: str) -> list[int]:
+    """``--ranks-per-host``: comma-separated ints >= 1."""
+    try:
+        layouts = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"not a comma-separated list of ints: {text!r}") from None
+    if any(n < 1 for n in layouts):
+        raise ValueError(f"ranks per host must be >= 1; got {text}")
+    return layouts
+
+
+def _as_text(check):
+    """A ``convert`` for :func:`_checked` that keeps the text (main parses it again)."""
+
+    def convert(text: str) -> str:
+        check(text)  # its ValueError says what is wrong
+        return text
+
+    return convert
+
+
+def _congestion(text: str) -> str:
+    """``--congestion``: ``machine``, the default, or what this kernel offers or can load."""
+    if text in ("machine", CONGESTION):  # the cluster warns if the default is refused
+        return text
+    offered = _congestion_offered()
+    if offered is not None and text not in offered:
+        raise ValueError(
+            f"unknown TCP congestion control {text!r}; this machine offers "
+            f"{', '.join(sorted(offered))} (or 'machine': keep its default)"
+        )
+    return text
+
+
+def _congestion_offered() -> set[str] | None:
+    """The congestion controls loaded or loadable (``tcp_<name>`` modules); None: unknown."""
+    try:
+        path = "/proc/sys/net/ipv4/tcp_available_congestion_control"
+        names = set(Path(path).read_text().split())
+    except OSError:
+        return None
+    modules = Path("/lib/modules", os.uname().release, "kernel", "net", "ipv4")
+    names.update(p.name.split(".")[0].removeprefix("tcp_") for p in modules.glob("tcp_*.ko*"))
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Options; unset ones come from the preset."""
+    """Options; unset ones come from the preset. Every value is checked here."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.netbench", description=__doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
-    parser.add_argument("--hosts", type=int)
-    parser.add_argument("--ranks-per-host", help="comma-separated, e.g. 1,2")
-    parser.add_argument("--rates", help="comma-separated: unshaped, 10gbit, 1gbit, 100mbit")
-    parser.add_argument("--models", help=f"comma-separated of {','.join(MODELS)}")
-    parser.add_argument("--strategies", help=f"comma-separated of {','.join(STRATEGIES)}")
-    for name in ("batch", "warmup", "steps", "reps", "accuracy-steps"):
-        parser.add_argument(f"--{name}", type=int)
-    parser.add_argument("--accuracy-rate", help="the rate of the time-to-accuracy run")
-    parser.add_argument("--accuracy-strategies", help="comma-separated, default: all")
+    parser.add_argument(
+        "--hosts", type=_checked(int, lambda n: 1 <= n <= 250, "in [1, 250]"), help="1 to 250"
+    )
+    parser.add_argument(
+        "--ranks-per-host", type=_checked(_as_text(_layouts)), help="comma-separated, e.g. 1,2"
+    )
+    parser.add_argument(
+        "--rates",
+        type=_checked(_as_text(parse_rates)),
+        help="comma-separated: unshaped, 10gbit, 1gbit, 100mbit",
+    )
+    parser.add_argument(
+        "--models",
+        type=_checked(_names(MODELS, "model", allow_none=True)),
+        help=f"comma-separated of {','.join(MODELS)} (empty: none)",
+    )
+    parser.add_argument(
+        "--strategies",
+        type=_checked(_names(STRATEGIES, "strategy")),
+        help=f"comma-separated of {','.join(STRATEGIES)}",
+    )
+    for name, low in (("batch", 1), ("warmup", 0), ("steps", 1), ("reps", 1)):
+        parser.add_argument(
+            f"--{name}", type=_checked(int, lambda n, low=low: n >= low, f">= {low}")
+        )
+    parser.add_argument(
+        "--accuracy-steps", type=_checked(int, lambda n: n >= 0, ">= 0"), help="0 skips it"
+    )
+    parser.add_argument(
+        "--accuracy-rate",
+        type=_checked(_as_text(parse_rate)),
+        help="the rate of the time-to-accuracy run",
+    )
+    parser.add_argument(
+        "--accuracy-strategies",
+        type=_checked(_names(ACCURACY_STRATEGIES, "strategy")),
+        help=f"comma-separated of {','.join(ACCURACY_STRATEGIES)}; default: all",
+    )
     parser.add_argument(
         "--congestion",
+        type=_checked(_congestion),
         default=CONGESTION,
         help=f"TCP congestion control of the hosts (default {CONGESTION}); 'machine': keep "
         "the machine's default",
     )
     parser.add_argument("--out", default="results/netbench")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per job")
+    parser.add_argument(
+        "--timeout",
+        type=_checked(float, lambda t: t > 0, "> 0"),
+        default=1800,
+        help="seconds per job",
+    )
     return parser
 
 
@@ -88,15 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"netbench: cannot run: {reason}", file=sys.stderr)
         return 1
     rates = parse_rates(cfg["rates"])
-    accuracy_rate = parse_rates(cfg["accuracy_rate"])[0]
+    accuracy_rate = parse_rate(cfg["accuracy_rate"])
     if cfg["accuracy_steps"] and accuracy_rate not in rates:
         rates.append(accuracy_rate)
-    layouts = [int(p) for p in str(cfg["ranks_per_host"]).split(",")]
+    layouts = _layouts(cfg["ranks_per_host"])
     models = [m for m in cfg["models"].split(",") if m]
-    for model in models:
-        if model not in MODELS:
-            print(f"netbench: unknown model {model!r}", file=sys.stderr)
-            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

@@ -100,6 +100,11 @@ def quantize_model(
     on the prepared model's ``parameters()`` to be safe) and after materialising lazy
     layers (run one forward pass first).
 
+    To evaluate, turn the observers off (with ``torch.ao.quantization``:
+    ``model.apply(disable_observer)``, then ``model.apply(enable_observer)`` after):
+    ``model.eval()`` alone does not stop them, so the evaluation data would move the
+    quantization ranges (the ``accuracy`` of ``examples/train_digits.py`` does this).
+
     Args:
         model (nn.Module): the model; put in training mode.
         per_channel (bool): per-output-channel weight scales (False: one per tensor).
