@@ -67,8 +67,13 @@ def test_quantize_model_checks_its_argument():
         quantize_model("mlp")
     with pytest.raises(ValueError, match="lazy"):
         quantize_model(SmallCNN())
+    plain = nn.Sequential(nn.ReLU(), nn.Dropout()).eval()
+    plain[1].qconfig = None  # the user's own: no quantization here
     with pytest.raises(ValueError, match="no layer"):
-        quantize_model(nn.Sequential(nn.ReLU()))
+        quantize_model(plain)
+    # refused, and left as it was given
+    assert not plain.training and plain[1].qconfig is None
+    assert not hasattr(plain, "qconfig") and not hasattr(plain[0], "qconfig")
     with pytest.raises(ValueError, match="averaging"):
         quantize_model(MLP(4, 4, 2), averaging=0.0)
 

@@ -133,17 +133,31 @@ def quantize_model(
             "quantize_model"
         )
     ao = _ao()
+    qconfig = qat_qconfig(per_channel=per_channel, averaging=averaging)
+    before = {m: getattr(m, "qconfig", _NONE) for m in model.modules()}
+    was_training = model.training
     model.train()
-    model.qconfig = qat_qconfig(per_channel=per_channel, averaging=averaging)
+    model.qconfig = qconfig
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # see _ao
         ao.prepare_qat(model, inplace=True)
     if not fake_quant_modules(model):
+        # Nothing was quantized: leave the model as it was given (prepare_qat only
+        # spread the qconfig over the submodules).
+        for module, old in before.items():
+            if old is _NONE:
+                module.__dict__.pop("qconfig", None)
+            else:
+                module.qconfig = old
+        model.train(was_training)
         raise ValueError(
             f"model has no layer that quantization-aware training can quantize (Linear, "
             f"Conv...); got {type(model).__name__}"
         )
     return model
+
+
+_NONE = object()  # a module without a qconfig attribute
 
 
 def fake_quant_modules(model: nn.Module) -> list[str]:
