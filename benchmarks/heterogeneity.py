@@ -687,6 +687,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if "2-classes" in args.partitions and 2 * args.ranks < 10 and not args.worker:
+        parser.error(
+            f"--partitions 2-classes needs --ranks >= 5 (2 classes per rank must cover the "
+            f"10 digits); got --ranks {args.ranks}: pass --partitions iid dirichlet-0.1"
+        )
     return args
 
 

@@ -72,3 +72,11 @@ def test_the_time_varying_graph_runs_only_the_methods_that_take_a_schedule(tmp_p
     assert [(r["method"], r["graph"]) for r in rows] == [("atc", "onepeer"), ("dacfl", "onepeer")]
     assert "cocofl     onepeer: runs on static graphs only, skipped" in done.stdout
     assert all(r["bytes_per_rank"] == 0 for r in rows)  # one rank: no peer in any round
+
+
+def test_two_classes_per_rank_needs_five_ranks(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--ranks", "4"])
+    assert exit_.value.code == 2
+    assert "--partitions 2-classes needs --ranks >= 5" in capsys.readouterr().err
+    assert parse(["--ranks", "4", "--partitions", "iid", "dirichlet-0.1"]).ranks == 4
