@@ -455,3 +455,34 @@ def test_difference_gossip_options_are_checked():
     assert "schedule=" in errors[0] and "global_average_every=2" in errors[1]
     assert "error_feedback=True" in errors[2]
     assert "topology has 3 ranks but the world has 2" in errors[3]
+
+
+def _no_contraction():
+    errors = []
+    model = torch.nn.Linear(32, 32)  # one bucket of 1056 elements
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for build in (
+        lambda: optim.AdaptWithCombine(sgd, model, compression="qsgd:4"),
+        lambda: optim.AdaptThenCombine(sgd, model, compression="randomk:0.1:unbiased=true"),
+        lambda: optim.WindowPut(sgd, model, compression="qsgd:4"),
+        lambda: communicators.ChocoGossip("qsgd:4").start(torch.zeros(1056), 0),
+    ):
+        try:
+            build()
+        except ValueError as err:
+            errors.append(str(err))
+    optim.AdaptWithCombine(sgd, model, compression="natural").close()  # a contraction
+    return errors
+
+
+def test_choco_refuses_a_compressor_that_is_no_contraction():
+    """qsgd:4 on 1056 elements loses 1.8 times the signal: the public copies diverged
+    (the spread of the ranks grew 1e14-fold in 60 steps), whatever gamma."""
+    for errors in run_distributed(_no_contraction, 2):
+        assert len(errors) == 4, errors
+        assert errors[0].startswith(
+            "compression='qsgd:4' is not a contraction on bucket 0 of 1056 elements (relative "
+            "error 1.8"
+        )
+        assert "randomk:0.1:unbiased=true" in errors[1] and "qsgd:4" in errors[2]
+        assert "public copies would diverge" in errors[3]

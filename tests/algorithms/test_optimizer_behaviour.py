@@ -523,3 +523,77 @@ def test_gradients_clipped_after_synchronize_are_the_averaged_ones_clipped():
         sgd.step()
     for weight in run_distributed(_clipped, 3, args=(3, steps, max_norm)):
         torch.testing.assert_close(weight, model.main.weight.detach(), rtol=1e-5, atol=1e-7)
+
+
+class TiedAutoencoder(nn.Module):
+    def __init__(self, transposed):
+        super().__init__()
+        torch.manual_seed(0)
+        self.transposed = transposed
+        self.enc, self.dec = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        shared = self.enc.weight.T if transposed else self.enc.weight.data
+        self.dec.weight = nn.Parameter(shared)  # one memory, two parameters
+
+    def forward(self, x):
+        return self.dec(torch.tanh(self.enc(x)))
+
+    def tied(self):
+        w = self.enc.weight.T if self.transposed else self.enc.weight
+        return torch.equal(self.dec.weight, w) and (
+            self.dec.weight.untyped_storage().data_ptr()
+            == self.enc.weight.untyped_storage().data_ptr()
+        )
+
+
+def _tied(kind, transposed):
+    model = TiedAutoencoder(transposed)
+    cls = {"awc": optim.AdaptWithCombine, "atc": optim.AdaptThenCombine}
+    opt = cls.get(kind, optim.GradientAllreduce)(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x = _data(gossamer.rank())[0]
+    for _ in range(3):
+        opt.zero_grad()
+        (model(x) - x).pow(2).mean().backward()
+        opt.step()
+    opt.close()
+    return model.tied()
+
+
+@pytest.mark.parametrize("kind", ["awc", "atc", "gradient-allreduce"])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_parameters_over_one_memory_stay_tied(kind, transposed):
+    assert all(run_distributed(_tied, 2, args=(kind, transposed)))
+
+
+def _changed_after_build(kind, change):
+    model = TiedAutoencoder(False)  # any small model
+    model.dec.weight = nn.Parameter(model.dec.weight.detach().clone())  # untied
+    cls = {"awc": optim.AdaptWithCombine, "atc": optim.AdaptThenCombine}[kind]
+    opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x = _data(gossamer.rank())[0]
+    if change == "dtype":
+        model.double()
+        x = x.double()
+    else:
+        opt.optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        (model(x) - x).pow(2).mean().backward()
+        opt.step()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = None
+    unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    opt.close()
+    return message, unchanged
+
+
+@pytest.mark.parametrize("kind", ["awc", "atc"])
+@pytest.mark.parametrize("change", ["dtype", "param-group"])
+def test_a_model_changed_after_build_is_refused_before_anything_steps(kind, change):
+    for message, unchanged in run_distributed(_changed_after_build, 2, args=(kind, change)):
+        words = "changed dtype" if change == "dtype" else "add_param_group"
+        assert message is not None and words in message, message
+        if change == "dtype":
+            assert "enc.weight (torch.float32 -> torch.float64)" in message
+        assert unchanged  # refused before a local step moved anything

@@ -240,7 +240,9 @@ def _resume(spec):
 
 
 def test_compressed_win_put_state_dict_resumes_exactly():
-    for x, y, keys in run_distributed(_resume, 2, args=("qsgd:8",)):
+    # stochastic, so the resumed rounds must continue its stream (qsgd:8 on 1000 elements
+    # loses more than the signal: WindowPutGossip refuses it)
+    for x, y, keys in run_distributed(_resume, 2, args=("qsgd:32",)):
         assert keys == ["replicas", "residuals", "sent", "steps"]
         torch.testing.assert_close(y, x, rtol=0, atol=0)
 

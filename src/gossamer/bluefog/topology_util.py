@@ -119,12 +119,18 @@ def IsRegularGraph(topo1: nx.DiGraph) -> bool:
 
 
 def GetRecvWeights(topo1: nx.DiGraph, rank: int) -> tuple[float, dict[int, float]]:
-    """``(self_weight, {src: weight})`` of ``rank`` (:meth:`gossamer.Topology.recv_weights`)."""
+    """``(self_weight, {src: weight})`` of ``rank``.
+
+    As :meth:`gossamer.topology.Topology.recv_weights`.
+    """
     return _graph_of(topo1).recv_weights(rank)
 
 
 def GetSendWeights(topo1: nx.DiGraph, rank: int) -> tuple[float, dict[int, float]]:
-    """``(self_weight, {dst: weight})`` of ``rank`` (:meth:`gossamer.Topology.send_weights`)."""
+    """``(self_weight, {dst: weight})`` of ``rank``.
+
+    As :meth:`gossamer.topology.Topology.send_weights`.
+    """
     return _graph_of(topo1).send_weights(rank)
 
 

@@ -34,7 +34,8 @@ survivor-to-survivor edge stay equal, and the combine uses the weights of the to
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ from gossamer.communicators.compressed import RankStreams, codec_id
 from gossamer.communicators.elastic import ElasticRound
 from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, Payload, compression_quality, get_compressor
+from gossamer.fusion import Bucket
 from gossamer.ops import get_topology
 from gossamer.topology import Step, Topology
 
@@ -57,7 +59,8 @@ def default_gamma(compressor: Compressor) -> float:
     r"""The consensus step size :math:`\gamma` used when none is given.
 
     1.0 for casts (``none``, ``fp16``, ``bf16``: CHOCO is then plain gossip); 0.8 for
-    ``uint8`` and the unbiased quantizers, whose relative error is small; 1.5 times the kept
+    ``uint8`` and the unbiased quantizers (with enough levels for the bucket: one that is no
+    contraction is refused, see :func:`contraction_quality`); 1.5 times the kept
     fraction for sparsifiers (``topk:0.1`` -> 0.15), which send only that share of the
     difference each round; 0.05 for ``sign``. Measured on average consensus over the
     exponential graph of 4 ranks (one process, 400 rounds): ``topk:0.1`` reaches 1e-13 of
@@ -76,6 +79,28 @@ def default_gamma(compressor: Compressor) -> float:
     if ratio is not None:
         return min(1.0, 1.5 * float(ratio))
     return 0.05
+
+
+def contraction_quality(compressor: Compressor, numel: int, what: str) -> float:
+    r"""``compressor``'s :math:`\delta` on tensors of ``numel`` elements, if it is > 0.
+
+    CHOCO's public copies take the compressed differences as they are, so a compressor
+    that is no contraction (:math:`\delta \le 0`: an unbiased quantizer whose variance
+    exceeds the signal, e.g. ``qsgd:4`` on more than a few elements) makes them diverge,
+    whatever :math:`\gamma`. The same on every rank (a fixed probe).
+
+    Raises:
+        ValueError: :math:`\delta \le 0`, naming ``what`` (the bucket) and the compressor.
+    """
+    delta = compression_quality(compressor, max(numel, 1))
+    if delta <= 0:
+        raise ValueError(
+            f"compression={compressor.name!r} is not a contraction on {what} of {numel} "
+            f"elements (relative error {math.sqrt(1 - delta):.2f} on normal data): CHOCO's "
+            "public copies would diverge; use one that loses less (uint8, natural, topk, "
+            "more levels)"
+        )
+    return delta
 
 
 def choco_gamma(delta: float, topology: Topology) -> float:
@@ -174,6 +199,7 @@ class ChocoGossip(RankStreams, Scheduled):
             raise ValueError("gamma='auto' needs a static topology, not a schedule")
         self.gamma: float | str = "auto" if auto else float(gamma)
         self._gammas: dict[int, float] = {}  # bucket index -> gamma, for gamma="auto"
+        self._deltas: dict[int, float] = {}  # bucket index -> the compressor's quality
         self.topology = topology
         self.codec = codec_id(self.compressor)
         # bucket index -> {("self",) | ("out", d) | ("in", s): public copy}
@@ -206,14 +232,26 @@ class ChocoGossip(RankStreams, Scheduled):
             plan = (list(graph.out_neighbors(me)), dict(weights), False)
         else:
             plan = (list(step.send_ranks), dict(step.src_weights), True)
+        delta = self._delta(index, flat.numel())
         if self.gamma == "auto" and index not in self._gammas:
             graph = get_topology() if self.topology is None else self.topology
-            delta = compression_quality(self.compressor, max(flat.numel(), 1))
             self._gammas[index] = choco_gamma(delta, graph)
         if self.compressor.exact_nbytes and transport.can_post(flat):
             return self._post(flat, index, *plan)
         x = flat.detach().clone()
         return transport.submit(self.name, lambda: self._round(x, index, *plan))
+
+    def bind(self, buckets: Sequence[Bucket]) -> None:
+        """Refuse, when the optimizer is built, a compressor that is no contraction."""
+        for index, bucket in enumerate(buckets):
+            self._delta(index, bucket.flat.numel())
+
+    def _delta(self, index: int, numel: int) -> float:
+        if index not in self._deltas:
+            # probed with the compressor as given (not this rank's seed): the same everywhere
+            given = get_compressor(self._given_name())
+            self._deltas[index] = contraction_quality(given, numel, f"bucket {index}")
+        return self._deltas[index]
 
     def bucket_gamma(self, index: int = 0) -> float:
         """The consensus step used for bucket ``index`` (``"auto"``: once it has run)."""

@@ -31,7 +31,7 @@ import torch
 
 from gossamer import context
 from gossamer.communicators.base import Deferred, Pending, check_topology
-from gossamer.communicators.choco import default_gamma
+from gossamer.communicators.choco import contraction_quality, default_gamma
 from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, get_compressor
 from gossamer.fusion import Bucket
@@ -240,6 +240,13 @@ class WindowPutGossip(_WindowGossip):
         if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not 0 < gamma <= 1:
             raise ValueError(f"gamma must be a number in (0, 1]; got {gamma!r}")
         self.gamma = float(gamma)
+
+    def bind(self, buckets: Sequence[Bucket]) -> None:
+        """As the base's; first, a compressor that is no contraction is refused."""
+        if self.compression is not None:
+            for index, bucket in enumerate(buckets):
+                contraction_quality(self.compression, bucket.flat.numel(), f"bucket {index}")
+        super().bind(buckets)
 
     def state_dict(self) -> dict:
         """As the base's, plus per window the copies of compressed puts (if compressed)."""

@@ -70,9 +70,9 @@ def _convert(bn: _BatchNorm, name: str, num_groups: int | None) -> nn.GroupNorm:
 def batchnorm_to_groupnorm(module: nn.Module, num_groups: int | None = None) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` by a GroupNorm over the same channels.
 
-    Under label skew, each rank's batch statistics describe only its own classes, and the
-    running statistics that ranks average describe none of them well: Hsieh et al.,
-    *The Non-IID Data Quagmire of Decentralized Machine Learning* (SkewScout, ICML 2020),
+    Under label skew, each rank's batch statistics describe only its own classes, and so do
+    its running statistics (each rank keeps its own: only parameters are averaged): Hsieh et
+    al., *The Non-IID Data Quagmire of Decentralized Machine Learning* (SkewScout, ICML 2020),
     found BatchNorm the layer that suffers most, and GroupNorm (Wu and He, 2018), which
     normalises each sample over groups of channels, recovers most of the accuracy.
 

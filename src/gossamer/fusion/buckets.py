@@ -9,7 +9,7 @@ for gradients), so that packing and unpacking them copies nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import torch
 
@@ -51,17 +51,20 @@ class Bucket:
         self._spare: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self.views = _views(self.tensors, flat)
 
-    def adopt(self) -> None:
+    def adopt(self, skip: Container[int] = ()) -> None:
         """Move the members into the flat buffer: each member's ``.data`` becomes its view.
 
         Values are kept. :meth:`pack` then copies nothing for them, and :meth:`unpack` of
         :attr:`flat` nothing either: a model-sized copy fewer each way per round. Only
         members that are contiguous and own their whole storage move; a member that is a
-        view of a larger buffer (another fusion's, say) keeps it. A member whose ``.data``
-        is later replaced (``module.to(...)``) is simply copied again, as before.
+        view of a larger buffer (another fusion's, say), or whose storage's ``data_ptr`` is
+        in ``skip`` (memory that another tensor uses too: tied weights), keeps it. A member
+        whose ``.data`` is later replaced (``module.to(...)``) is simply copied again.
         """
         with torch.no_grad():
             for t, view in zip(self.tensors, self.views, strict=True):
+                if t.untyped_storage().data_ptr() in skip:
+                    continue
                 if _owns_storage(t) and not _same_memory(t, view):
                     view.copy_(t)
                     t.data = view

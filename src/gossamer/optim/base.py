@@ -8,6 +8,7 @@ says what one communication round does (which operation, which weights). Subclas
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import warnings
@@ -148,9 +149,16 @@ class DecentralizedOptimizer:
                     "keeps the parameters in its buckets, which forward and backward read "
                     "meanwhile: give it a communicator without in_place"
                 )
+            # Parameters over one memory (tied weights) stay there, or they would untie.
+            uses = collections.Counter(p.untyped_storage().data_ptr() for p in self.params)
+            shared = {ptr for ptr, count in uses.items() if count > 1}
             for bucket in self.buckets:
-                bucket.adopt()
-        self.communicator.bind(self.buckets)
+                bucket.adopt(skip=shared)
+        try:
+            self.communicator.bind(self.buckets)
+        except BaseException:
+            _LIVE.discard(self)  # a failed build leaves nothing that a new optimizer closes
+            raise
         self.num_steps_per_communication = num_steps_per_communication
         self.steps = 0
         # (bucket, handle, finish): finish maps the operation's result to the new values.
@@ -282,6 +290,18 @@ class DecentralizedOptimizer:
                 f"parameters {thawed} had requires_grad=False when {type(self).__name__} was "
                 "built, so it neither steps nor averages them: build the optimizer after "
                 "unfreezing them (close() this one first)"
+            )
+        changed = [
+            f"{self.param_names.get(p, '?')} ({b.flat.dtype} -> {p.dtype})"
+            for b in self.buckets
+            for p in b.tensors
+            if p.dtype != b.flat.dtype
+        ]
+        if changed:
+            raise RuntimeError(
+                f"parameters changed dtype since {type(self).__name__} was built: "
+                f"{', '.join(changed)} (model.to(dtype) after building?); its buckets keep "
+                "the old dtype: build the optimizer after converting the model"
             )
         count = sum(len(g["params"]) for g in self.optimizer.param_groups)
         if count != self._param_count:

@@ -129,7 +129,10 @@ class AdaptThenCombine(BucketwiseOptimizer):
     Either way a parameter's combine lands in the forward pre-hook of the module that owns
     it: a forward that reads a parameter before its owner runs (a parent passing a child's
     weight to a functional call, as tied embeddings may) reads it uncombined; call
-    :meth:`synchronize` before such a forward.
+    :meth:`synchronize` before such a forward. With ``overlap=True`` the wrapped optimizer's
+    ``step()`` runs once per bucket, its ``param_groups`` cut down to that bucket's
+    parameters for the call, so its step hooks (an EMA, a counter) run once per bucket and
+    each sees part of the model; ``overlap=False`` steps once over all of them.
 
     ``exact_diffusion=True`` adds the exact-diffusion correction (Yuan et al., 2019), which
     removes the constant-step bias: with :math:`\psi_k = x_k + u_k` the local step,

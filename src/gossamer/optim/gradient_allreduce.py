@@ -1,9 +1,10 @@
 r"""Gradient allreduce: the data-parallel baseline (torch DDP, Horovod), overlapped.
 
 Every rank steps with the average gradient :math:`\bar g = \frac1n \sum_i g_i`, so all
-models stay identical. A bucket's allreduce starts from gradient hooks as soon as every
-gradient in it is ready; buckets start in a fixed order on every rank, so collectives
-always pair up.
+models' parameters stay identical (buffers, such as BatchNorm's running statistics, stay
+each rank's own: torch DDP broadcasts rank 0's, gossamer averages none). A bucket's
+allreduce starts from gradient hooks as soon as every gradient in it is ready; buckets start
+in a fixed order on every rank, so collectives always pair up.
 """
 
 from __future__ import annotations

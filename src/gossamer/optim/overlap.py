@@ -121,7 +121,9 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
     starts the same rounds in the same order (the order is fixed at construction, never
     by timing). The step's first round advances the communicator (a dynamic schedule's
     peers are fixed for the whole step). :meth:`_take_remaining_steps` (called by
-    ``step()``) steps and queues the buckets backward did not complete.
+    ``step()``) steps and queues the buckets backward did not complete. A bucket's step is
+    the wrapped optimizer's ``step()`` with its ``param_groups`` cut down to the bucket's
+    parameters, so that optimizer's step hooks run once per bucket.
 
     The communication thread runs rounds one at a time in queue order, and the buckets
     are numbered in the order backward produces them (the model's last layers first), so
@@ -179,6 +181,8 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
     def _grad_ready(self, param: torch.Tensor) -> None:
         if self._no_sync or not self._is_round():
             return
+        if not self._arrivals.any:  # before the first local step of this step, not at step()
+            self._check_usable()
         index = self._arrivals.arrive(param)
         if index is not None:
             try:

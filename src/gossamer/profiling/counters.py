@@ -13,7 +13,7 @@ message                            bytes counted on the sending rank
 =================================  ==================================================
 point-to-point (neighbour          exactly what is sent: each call header
 exchanges, CHOCO, window puts,     (:data:`~gossamer.transport.HEADER_LEN` int64 values,
-accumulates, gets, replies)        160 bytes) and each payload, once per destination
+accumulates, gets, replies)        176 bytes) and each payload, once per destination
 ``all_gather`` (call-header        ``(n - 1) M``: this rank's block reaches every other
 checks, ``allgather``)             rank (what a ring allgather sends)
 ``all_reduce``                     ``2 (n - 1) M // n`` (a ring allreduce)
@@ -21,7 +21,7 @@ checks, ``allgather``)             rank (what a ring allgather sends)
 ``broadcast``                      ``M`` on the root and on each rank that relays it
                                    in a chain, i.e. all but the last: ``M`` if this rank
                                    is not ``(root - 1) mod n``, else 0
-barriers, window acknowledgements  headers only (160 bytes per acknowledgement)
+barriers, window acknowledgements  headers only (176 bytes per acknowledgement)
 =================================  ==================================================
 
 Collectives are counted with the bandwidth-optimal ring and chain costs of the cost model
@@ -32,9 +32,10 @@ Compressed payloads count their compressed size: the counts are what compression
 Example:
     >>> from gossamer import profiling
     >>> profiling.reset_bytes_sent()
+    >>> x = torch.zeros(1000)  # 4000 bytes, to 2 neighbours on a ring of 3 or more ranks
     >>> gossamer.neighbor_allreduce(x)  # doctest: +SKIP
-    >>> profiling.bytes_sent()  # doctest: +SKIP
-    8320
+    >>> profiling.bytes_sent()  # 2 x (176-byte call header + 4000)  # doctest: +SKIP
+    8352
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def bytes_sent(op: str | None = None) -> int:
 
     Example:
         >>> bytes_sent("neighbor_allreduce")  # doctest: +SKIP
-        8320
+        8352
     """
     with _lock:
         return sum(_sent.values()) if op is None else _sent.get(op, 0)
