@@ -34,7 +34,7 @@ from benchmarks.netbench.cluster import (
     preflight,
 )
 from benchmarks.netbench.runner import run_job
-from benchmarks.netbench.worker import MODELS, STRATEGIES
+from benchmarks.netbench.worker import MODELS, STRATEGIES, is_strategy
 
 PRESETS = {
     # Two hosts with two ranks each so that hierarchical averaging runs too; ~1 minute.
@@ -79,12 +79,12 @@ def _checked(convert, test=None, rule: str = ""):
     return parse
 
 
-def _names(known: tuple[str, ...], what: str, *, allow_none: bool = False):
-    """A comma-separated list of ``known`` names; returns the text as given."""
+def _names(known: tuple[str, ...], what: str, *, allow_none: bool = False, accept=None):
+    """A comma-separated list of ``known`` names (or names ``accept`` takes); the text."""
 
     def convert(text: str) -> str:
         names = [name for name in text.split(",") if name]
-        unknown = [name for name in names if name not in known]
+        unknown = [n for n in names if n not in known and not (accept and accept(n))]
         if unknown:
             raise ValueError(
                 f"unknown {what} {', '.join(map(repr, unknown))}; valid: {','.join(known)}"
@@ -164,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--strategies",
-        type=_checked(_names(STRATEGIES, "strategy")),
-        help=f"comma-separated of {','.join(STRATEGIES)}",
+        type=_checked(_names(STRATEGIES, "strategy", accept=is_strategy)),
+        help=f"comma-separated of {','.join(STRATEGIES)}, or of their families: "
+        "probe/<kind>, gradient-allreduce-<N>mb, atc|awc[-one-bucket|-<N>mb][-forward|-k<K>]"
+        "[-copy]/one-peer, choco-<compressor>[-copy]/one-peer",
     )
     for name, low in (("batch", 1), ("warmup", 0), ("steps", 1), ("reps", 1)):
         parser.add_argument(

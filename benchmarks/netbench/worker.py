@@ -28,6 +28,7 @@ from benchmarks.netbench.report import choco_spec
 from benchmarks.netbench.runner import job_arguments
 from gossamer import communicators, optim
 from gossamer import topology as topo
+from gossamer.compression import get_compressor
 from gossamer.models import MLP, SmallResNet
 
 # Bagua's six algorithms through the facade (``gossamer.bagua``), flat (hierarchical=False:
@@ -382,6 +383,28 @@ def _variant(suffix: str) -> dict:
 def _copying(cls: type, copy: bool) -> type:
     """``cls``, or with ``copy`` its variant whose parameters stay out of the buckets."""
     return type(f"Copying{cls.__name__}", (cls,), {"params_in_buckets": False}) if copy else cls
+
+
+def is_strategy(name: str) -> bool:
+    """Whether :func:`wrap` builds ``name``; checked before any namespace is made.
+
+    A listed one, or one of the families ``probe/<kind>``, ``gradient-allreduce-<N>mb``,
+    ``atc|awc<variant>/one-peer`` and ``choco-<compressor>[-copy]/one-peer``.
+    """
+    if name in STRATEGIES or name in BAGUA_STRATEGIES:
+        return True
+    try:
+        if name.startswith("probe/"):
+            return bool(name.removeprefix("probe/"))
+        if name.startswith("gradient-allreduce-") and name.endswith("mb"):
+            return float(name.removeprefix("gradient-allreduce-").removesuffix("mb")) > 0
+        if name.startswith(("atc", "awc")) and name.endswith("/one-peer"):
+            return isinstance(_variant(name.removesuffix("/one-peer")[3:]), dict)
+        if name.startswith("choco-") and name.endswith("/one-peer"):
+            return get_compressor(choco_spec(name)[0]) is not None
+    except (TypeError, ValueError):
+        return False
+    return False
 
 
 def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):

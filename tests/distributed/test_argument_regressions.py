@@ -231,6 +231,9 @@ def _audit_cases():
         "allreduce": lambda: gossamer.allreduce(x, op="sum" if r == 0 else "max"),
         "reduce": lambda: gossamer.reduce(x, root=min(r, 1)),
         "gather": lambda: gossamer.gather(x, root=min(r, 1)),
+        "kinds": lambda: (
+            gossamer.allreduce(x) if r == 0 else gossamer.broadcast(x, root=gossamer.size() - 1)
+        ),
         "reduce_scatter": lambda: gossamer.reduce_scatter(
             torch.ones(gossamer.size()), op="sum" if r == 0 else "product"
         ),
@@ -273,5 +276,9 @@ def test_mismatches_name_what_differs_and_results_carry_no_graph(world_size):
         )
         assert "gather (root 0)" in out["gather"] and "gather (root 1)" in out["gather"]
         assert "(op product)" in out["reduce_scatter"]
+        # each header explained by its own operation, whichever rank reads it
+        kinds = out["kinds"]
+        assert "allreduce" in kinds and "broadcast" in kinds
+        assert "allreduce (root" not in kinds and "broadcast (op" not in kinds, kinds
         assert out["graphs"] == [False] * 4, r
         assert out["in_place"]

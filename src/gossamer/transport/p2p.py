@@ -629,10 +629,12 @@ def check_same_call(
     first = heads[0]
     wrong = [r for r, h in enumerate(heads) if not first.matches(h, any_first_dim)]
     if wrong:
-        text = "; ".join(f"rank {r} called {heads[r].describe(explain)}" for r in wrong)
-        raise PeerError(
-            f"{op}: mismatched call: rank 0 called {first.describe(explain)}, but {text}"
-        )
+
+        def said(head: Header) -> str:  # explain() knows this op's aux, not another's
+            return head.describe(explain if head.op == op else None)
+
+        text = "; ".join(f"rank {r} called {said(heads[r])}" for r in wrong)
+        raise PeerError(f"{op}: mismatched call: rank 0 called {said(first)}, but {text}")
     return [h.shape for h in heads]
 
 
