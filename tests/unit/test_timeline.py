@@ -1,15 +1,23 @@
 import ast
+import importlib
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import threading
+import warnings
 from collections import defaultdict
+from decimal import Decimal
 
 import pytest
 
 import gossamer.profiling
-from gossamer.profiling import session, spans, timeline, trace
+from gossamer.errors import CommunicationTimeout, PeerError
+from gossamer.profiling import counters, session, spans, timeline, trace
+from gossamer.transport import HEADER_LEN
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # The timeline is process-wide: one test left tracing would record into the next.
 pytestmark = pytest.mark.usefixtures("timeline_off")
@@ -252,6 +260,159 @@ def test_merge_traces_aligns_the_ranks_clocks(tmp_path):
         timeline.merge_traces([out], tmp_path / "again.json")
 
 
+def check_nesting_exact(path):
+    """Spans of each track nest or are disjoint exactly, in the decimal text of the file."""
+    with open(path, encoding="utf-8") as f:
+        events = json.load(f, parse_float=Decimal)["traceEvents"]
+    tracks = defaultdict(list)
+    for e in events:
+        if e["ph"] == "X":
+            tracks[e["pid"], e["tid"]].append((Decimal(e["ts"]), Decimal(e["ts"] + e["dur"])))
+    for key, track in tracks.items():
+        stack = []
+        for start, end in sorted(track, key=lambda s: (s[0], -s[1])):
+            while stack and stack[-1] <= start:
+                stack.pop()
+            assert not stack or end <= stack[-1], (
+                f"{key}: a span ending at {end} overlaps one ending at {stack[-1]}"
+            )
+            stack.append(end)
+    return sum(map(len, tracks.values()))
+
+
+def test_merging_shifts_spans_without_rounding_them_apart(tmp_path):
+    # Rank 1 started 2000123 ns after rank 0. Its "queued" ends at the very ns its "running"
+    # begins; a float shift added to ts alone once rounded the first to end 1e-10 us after.
+    write_rank_trace(
+        tmp_path / "r0.json", 0, 10_000_000_000, [("op", "running", 1_000, 2_000, None)]
+    )
+    a, b, c = 578_230_859, 578_266_767, 579_024_356
+    write_rank_trace(
+        tmp_path / "r1.json",
+        1,
+        10_002_000_123,
+        [("op", "queued", a, b, None), ("op", "running", b, c, None)],
+    )
+    check_nesting_exact(tmp_path / "r1.json")
+    out = timeline.merge_traces([tmp_path / "r0.json", tmp_path / "r1.json"], tmp_path / "m.json")
+    assert check_nesting_exact(out) == 3
+    rank1 = [e for e in load(out) if e["ph"] == "X" and e["pid"] == 1]
+    assert [(e["name"], e["ts"], e["dur"]) for e in rank1] == [
+        ("queued", 580230.982, 35.908),
+        ("running", 580266.89, 757.589),
+    ]
+    # What stop_timeline(merged=True) merges goes through the same shift.
+    document = trace._merge(
+        [
+            (1, 10_002_000_123, trace._render([("op", "queued", a, b, None)], 1, 0)),
+            (0, 10_000_000_000, []),
+        ]
+    )
+    (queued,) = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    assert (queued["ts"], queued["dur"]) == (580230.982, 35.908)
+
+
+def test_merge_traces_rejects_bad_inputs_naming_them(tmp_path):
+    write_rank_trace(tmp_path / "r0.json", 0, 5, [("op", "running", 1, 2, None)])
+    write_rank_trace(tmp_path / "r0-again.json", 0, 7, [("op", "running", 1, 2, None)])
+    one, out = tmp_path / "r0.json", tmp_path / "m.json"
+    for single in (str(one), one):  # a path is iterable by character: not taken as inputs
+        with pytest.raises(TypeError, match=r"inputs must be an iterable .* not a single path"):
+            timeline.merge_traces(single, out)
+    with pytest.raises(TypeError, match=r"inputs must be an iterable .*; got int"):
+        timeline.merge_traces(3, out)
+    with pytest.raises(TypeError, match=r"inputs\[1\] must be a str or os.PathLike; got int"):
+        timeline.merge_traces([one, 4], out)
+    with pytest.raises(ValueError, match="inputs must name at least one"):
+        timeline.merge_traces([], out)
+    with pytest.raises(ValueError, match="inputs must name at least one"):
+        timeline.merge_traces(iter([]), out)
+    bad = {
+        "list.json": ("[1, 2]", "its JSON is a list, not an object"),
+        "text.json": ("not json", "it is not JSON"),
+        "other.json": ('{"traceEvents": [], "otherData": "x"}', "its otherData is 'x'"),
+        "no-other.json": ('{"traceEvents": []}', "its otherData is None"),
+        "events.json": ('{"traceEvents": 1, "otherData": {}}', "its traceEvents is 1"),
+        "chrome.json": ('{"traceEvents": [], "otherData": {}}', "gossamer_time_origin_ns is None"),
+        "rank.json": (
+            '{"traceEvents": [], "otherData": {"gossamer_time_origin_ns": {"r": 5}}}',
+            "time origin",
+        ),
+        "origin.json": (
+            '{"traceEvents": [], "otherData": {"gossamer_time_origin_ns": {"0": 1.5}}}',
+            "time origin",
+        ),
+    }
+    for name, (text, why) in bad.items():
+        (tmp_path / name).write_text(text)
+        where = re.escape(f"inputs[1] = {str(tmp_path / name)!r} is not a per-rank trace")
+        with pytest.raises(ValueError, match=f"{where}.*{re.escape(why)}"):
+            timeline.merge_traces([one, tmp_path / name], out)
+    with pytest.raises(ValueError, match=r"inputs\[0\] = .* and inputs\[1\] = .* both hold rank 0"):
+        timeline.merge_traces([one, one], out)
+    with pytest.raises(ValueError, match="both hold rank 0"):
+        timeline.merge_traces([one, tmp_path / "r0-again.json"], out)
+    assert not out.exists()
+    assert timeline.merge_traces((p for p in [one]), out) == out  # any iterable of paths
+
+
+def test_documented_header_sizes_are_the_transports():
+    head = HEADER_LEN * 8
+    assert head == 176
+    doc = counters.__doc__
+    assert f"int64 values,\naccumulates, gets, replies)        {head} bytes)" in doc
+    assert f"headers only ({head} bytes per acknowledgement)" in doc
+    # 1000 float32 to 2 out-neighbours (exponential-2 on 3 ranks): one header and payload each.
+    assert f"2 x ({head} + 4000)  # doctest: +SKIP\n    {2 * (head + 4000)}\n" in doc
+    assert f"\n        {2 * (head + 4000)}\n" in counters.bytes_sent.__doc__
+    compression = " ".join((ROOT / "docs" / "compression.md").read_text().split())
+    from gossamer.compression import get_compressor
+
+    uint8, topk = get_compressor("uint8"), get_compressor("topk:0.05")
+    put = head + 1 + len(uint8.name) + uint8.payload_nbytes(1000)
+    sparse = head + 1 + len(topk.name) + topk.payload_nbytes(1000)
+    ratio = (head + 4000) / sparse
+    for text in (
+        f"`d x ({head} + 1 + len(name) + payload)`",
+        f"{put} instead of {head + 4000} per destination; `topk:0.05`: {sparse}, {ratio:.1f}x",
+        f"each {head}-byte call header",
+        f"`d x ({head} + {uint8.payload_nbytes(1000)})` bytes",
+        f"`d x ({head} + 4000)` uncompressed",
+    ):
+        assert text in compression
+    assert not re.search(r"\b(160|4160|1174|433|8320)\b", compression + doc)
+
+
+def test_the_quickstart_describes_the_rows_of_the_trace():
+    text = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
+    assert "one row per tensor" not in text
+    assert "one row per operation" in text
+
+
+def _resolves(target):
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[i:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", ["gossamer.bluefog.md", "gossamer.profiling.md"])
+def test_api_page_references_name_objects_that_exist(page):
+    text = (ROOT / "docs" / "api" / page).read_text()
+    targets = re.findall(r":(?:meth|func|class|data|attr|mod|exc):`~?(gossamer[\w.]*)`", text)
+    assert targets
+    assert [t for t in targets if not _resolves(t)] == []
+
+
 def test_maybe_start_from_env(tmp_path, monkeypatch):
     monkeypatch.delenv("GOSSAMER_TIMELINE", raising=False)
     assert not timeline.maybe_start_from_env()
@@ -306,12 +467,67 @@ def test_attach_names_the_rank_and_gathers_the_merged_trace(tmp_path, monkeypatc
 
     # Detached (after shutdown): no gather, but the rank still names the files.
     gossamer.profiling.detach()
-    timeline.start_timeline(tmp_path / "d", merged=True)
-    assert timeline.stop_timeline() == [tmp_path / "d.json"]
     timeline.start_timeline(tmp_path / "d")
     assert timeline.stop_timeline() == [tmp_path / "d.rank1.json"]
     with pytest.raises(ValueError, match="rank"):
         gossamer.profiling.attach(2, 2)
+
+
+def test_a_merged_stop_after_shutdown_writes_per_rank_files_and_warns(tmp_path, monkeypatch):
+    monkeypatch.setattr(session, "_world", session._World())  # restored after the test
+    # Every rank of a job of 3 stops after shutdown: each must keep its own spans, where
+    # each used to overwrite the one merged file with its own.
+    for rank in range(3):
+        gossamer.profiling.attach(rank, 3, lambda part: pytest.fail("gathered after detach"))
+        timeline.start_timeline(tmp_path / "t", merged=True)
+        with timeline.activity("user", f"work of rank {rank}"):
+            pass
+        gossamer.profiling.detach()
+        with pytest.warns(RuntimeWarning, match=r"after gossamer\.shutdown\(\).*live runtime"):
+            written = timeline.stop_timeline()
+        assert written == [tmp_path / f"t.rank{rank}.json"]
+        assert not timeline.timeline_enabled()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"t.rank{r}.json" for r in range(3)]
+    for rank in range(3):
+        rows = check_well_formed(load(tmp_path / f"t.rank{rank}.json"))
+        assert rows == {(f"rank {rank}", "user"): [f"work of rank {rank}"]}
+
+    # A job of one has nothing to gather: its merged file is written, without a warning.
+    gossamer.profiling.attach(0, 1, lambda part: pytest.fail("gathered a world of one"))
+    gossamer.profiling.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        timeline.start_timeline(tmp_path / "one", merged=True)
+        assert timeline.stop_timeline() == [tmp_path / "one.json"]
+
+
+@pytest.mark.parametrize(
+    ("failure", "kind"),
+    [
+        (RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234"), PeerError),
+        (TimeoutError("Timed out waiting 15000ms for recv operation"), CommunicationTimeout),
+    ],
+)
+def test_a_failed_merged_stop_keeps_this_ranks_spans_and_names_the_stop(
+    tmp_path, monkeypatch, failure, kind
+):
+    monkeypatch.setattr(session, "_world", session._World())  # restored after the test
+
+    def gather(part):
+        raise failure
+
+    gossamer.profiling.attach(1, 2, gather)
+    timeline.start_timeline(tmp_path / "t", merged=True)
+    with timeline.activity("user", "rank 1 work"):
+        pass
+    with pytest.raises(kind, match=r"stop_timeline\(merged=True\) on rank 1 of 2") as raised:
+        timeline.stop_timeline()
+    assert raised.value.__cause__ is failure
+    assert str(tmp_path / "t.rank1.json") in str(raised.value)
+    assert not timeline.timeline_enabled()
+    assert [p.name for p in tmp_path.iterdir()] == ["t.rank1.json"]
+    rows = check_well_formed(load(tmp_path / "t.rank1.json"))
+    assert rows == {("rank 1", "user"): ["rank 1 work"]}
 
 
 ALLOWED_GOSSAMER_IMPORTS = ("gossamer.env", "gossamer.errors", "gossamer.profiling")

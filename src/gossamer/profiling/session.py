@@ -3,8 +3,9 @@
 This package never imports the runtime: :func:`gossamer.init` calls :func:`attach` with this
 process's rank, the size of the world and a collective that gathers one object from every rank
 to rank 0, and :func:`gossamer.shutdown` calls :func:`detach`. Unattached, the timeline is
-rank 0 of a world of one; detached, it is a world of one that keeps the rank attached last,
-since a timeline left on is written at interpreter exit, after shutdown.
+rank 0 of a world of one; detached, it has no gather but keeps the rank and the size attached
+last: a timeline left on is written at interpreter exit, after shutdown, and a merged stop
+after shutdown writes per-rank files rather than have every rank overwrite one merged file.
 
 Example:
     >>> from gossamer.profiling import session
@@ -20,11 +21,13 @@ import os
 import pathlib
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from gossamer import env
+from gossamer.errors import CommunicationTimeout, GossamerError, PeerError
 from gossamer.profiling import spans, trace
 
 __all__ = [
@@ -47,6 +50,7 @@ class _World:
     rank: int = 0
     size: int = 1
     gather: Gather | None = None
+    detached: bool = False  # gossamer.shutdown() has run: rank and size are the last job's
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,8 @@ def attach(rank: int, size: int, gather: Gather | None = None) -> None:
         gather (Callable[[object], list | None], optional): a collective sending one
             picklable object from every rank to rank 0, which gets the list in rank order
             (the others get None). :func:`stop_timeline` calls it on every rank to write a
-            merged trace; without it a merged trace holds this rank only.
+            merged trace; without it a merged stop writes this rank's per-rank file when
+            ``size > 1`` (with a warning), and the merged file when ``size == 1``.
 
     Raises:
         ValueError: ``rank`` is not in ``range(size)``.
@@ -93,15 +98,17 @@ def attach(rank: int, size: int, gather: Gather | None = None) -> None:
 def detach() -> None:
     """Forget the job at its shutdown; for the runtime, not for users.
 
-    :func:`gossamer.shutdown` calls it. A merged trace then holds this rank only, since the
-    process group is gone, but the rank attached last still names the files: a timeline left
-    on is written at interpreter exit, which may come after shutdown.
+    :func:`gossamer.shutdown` calls it. The process group is gone then, so a merged stop
+    cannot gather: on a job of more than one rank it writes this rank's per-rank file (with a
+    warning) rather than have every rank write the same merged file. The rank attached last
+    still names the files: a timeline left on is written at interpreter exit, which may come
+    after shutdown.
 
     Example:
         >>> detach()  # doctest: +SKIP
     """
     global _world
-    _world = _World(rank=_world.rank)
+    _world = _World(rank=_world.rank, size=_world.size, detached=True)
 
 
 def _install_hooks() -> None:
@@ -158,13 +165,20 @@ def stop_timeline() -> list[pathlib.Path]:
 
     With ``merged=True`` this is a collective over gossamer's host process group
     (``torch.distributed.gather_object`` to rank 0): call it on every rank at the same point
-    of the program, with no asynchronous operation pending (wait their handles first).
+    of the program, with no asynchronous operation pending (wait their handles first), and
+    before :func:`gossamer.shutdown`. After shutdown, on a job of more than one rank, there is
+    nothing to gather over: each rank then writes its per-rank file, as without ``merged``,
+    and warns (join them with :func:`merge_traces`). If the gather fails (a peer exited or
+    died), this rank's spans are written to its per-rank file before the error is raised.
 
     Returns:
         list[pathlib.Path]: the files this rank wrote (none on ranks > 0 when merged).
 
     Raises:
         OSError: the file could not be written.
+        PeerError: ``merged=True`` and gathering the ranks' spans failed
+            (:class:`~gossamer.errors.CommunicationTimeout` if it timed out); the
+            original error is its ``__cause__``.
 
     Example:
         >>> stop_timeline()  # doctest: +SKIP
@@ -175,14 +189,44 @@ def stop_timeline() -> list[pathlib.Path]:
     run, part = _take()
     if not run.merged:
         return [trace._write_rank(run.path, part)]
-    parts = [part]
     world = _world
-    if world.gather is not None and world.size > 1:
+    if world.size == 1:
+        return [trace._write(trace._merged_file(run.path), trace._merge([part]))]
+    if world.gather is None:
+        # Every rank would write the same merged file, and only the last one's spans survive.
+        written = trace._write_rank(run.path, part)
+        why = "after gossamer.shutdown()" if world.detached else "without a gather (attach)"
+        warnings.warn(
+            f"stop_timeline(merged=True) {why} on rank {world.rank} of {world.size}: the merge "
+            "needs a live runtime to gather every rank's spans, so this rank wrote its "
+            f"per-rank file {str(written)!r}; stop the timeline before gossamer.shutdown(), "
+            "or join the files with gossamer.profiling.merge_traces",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return [written]
+    try:
         gathered = world.gather(part)
-        if gathered is None:  # not rank 0, which writes the file
-            return []
-        parts = list(gathered)
-    return [trace._write(trace._merged_file(run.path), trace._merge(parts))]
+    except Exception as err:
+        raise _gather_failed(run, part, world, err) from err
+    if gathered is None:  # not rank 0, which writes the file
+        return []
+    return [trace._write(trace._merged_file(run.path), trace._merge(gathered))]
+
+
+def _gather_failed(run: _Run, part: trace._Part, world: _World, err: Exception) -> GossamerError:
+    """Write this rank's spans on its own, and the error that a merged stop raises then."""
+    try:
+        kept = f"this rank's spans were written to {str(trace._write_rank(run.path, part))!r}"
+    except OSError as lost:
+        kept = f"this rank's spans could not be written either ({lost})"
+    reason = (str(err).strip().splitlines() or [""])[0][:300]
+    kind = CommunicationTimeout if isinstance(err, TimeoutError) else PeerError
+    return kind(
+        f"stop_timeline(merged=True) on rank {world.rank} of {world.size}: gathering every "
+        f"rank's spans to rank 0 failed ({type(err).__name__}: {reason}); a peer may have "
+        f"exited, died, or not called stop_timeline; {kept}"
+    )
 
 
 def _write_at_exit() -> None:

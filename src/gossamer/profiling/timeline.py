@@ -20,6 +20,9 @@ Files:
   ``{rank}`` in the path is replaced instead: ``"out/{rank}/trace.json"``.
 - ``merged=True`` writes one file, ``out/trace.json`` (``{rank}`` becomes ``all``), on
   rank 0 only: :func:`stop_timeline` then gathers every rank's spans, so it is a collective.
+  Stopped after :func:`gossamer.shutdown` (nothing left to gather over), it writes per-rank
+  files and warns; if the gather fails (a peer gone), this rank's file is written before the
+  error is raised.
 - Timestamps are microseconds since the rank's own :func:`start_timeline`; the wall-clock
   time of that moment is kept under ``otherData``, and merging (``merged=True`` or
   :func:`merge_traces`) uses it to align the ranks.

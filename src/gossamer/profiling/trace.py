@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import reprlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -175,20 +176,66 @@ def _write_rank(path: str, part: _Part) -> pathlib.Path:
     return _write(_rank_file(path, rank), _document(events, {rank: anchor}))
 
 
+def _ns(us: float) -> int:
+    """Integer nanoseconds of a time :func:`_render` wrote in microseconds (``ns / 1000``)."""
+    return round(us * 1000)
+
+
 def _merge(parts: Iterable[_Part]) -> dict[str, Any]:
-    """One document from ``(rank, wall-clock origin ns, events)`` parts, aligned in time."""
+    """One document from ``(rank, wall-clock origin ns, events)`` parts, aligned in time.
+
+    Shifted in integer nanoseconds: a span that ended as the next began still does so, where
+    adding a float shift to ``ts`` alone would round the two ends apart (partial overlaps,
+    which the viewer draws wrongly).
+    """
     parts = sorted(parts, key=lambda p: p[0])
     if not parts:
         return _document([], {})
     first = min(anchor for _, anchor, _ in parts)
     merged: list[dict[str, Any]] = []
     for _, anchor, events in parts:
-        shift = (anchor - first) / 1000
+        shift_ns = anchor - first
         for event in events:
             if event.get("ph") != "M" and "ts" in event:
-                event = {**event, "ts": event["ts"] + shift}
+                event = {**event, "ts": (_ns(event["ts"]) + shift_ns) / 1000}
+                if "dur" in event:
+                    event["dur"] = _ns(event["dur"]) / 1000
             merged.append(event)
     return _document(merged, {rank: first for rank, _, _ in parts})
+
+
+def _not_a_rank_trace(where: str, why: str) -> ValueError:
+    return ValueError(f"{where} is not a per-rank trace written by gossamer's timeline: {why}")
+
+
+def _read_part(where: str, path: str) -> _Part:
+    """One per-rank file as a :data:`_Part`; ``where`` names it in errors (``inputs[0] = ...``)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            document = json.load(f)
+        except json.JSONDecodeError as err:
+            raise _not_a_rank_trace(where, f"it is not JSON ({err})") from err
+    if not isinstance(document, dict):
+        raise _not_a_rank_trace(where, f"its JSON is a {type(document).__name__}, not an object")
+    events = document.get("traceEvents")
+    if not isinstance(events, list):
+        raise _not_a_rank_trace(where, f"its traceEvents is {reprlib.repr(events)}, not a list")
+    other = document.get("otherData")
+    if not isinstance(other, dict):
+        raise _not_a_rank_trace(where, f"its otherData is {reprlib.repr(other)}, not an object")
+    origins = other.get("gossamer_time_origin_ns")
+    if not isinstance(origins, dict) or len(origins) != 1:
+        raise _not_a_rank_trace(
+            where,
+            f"its otherData.gossamer_time_origin_ns is {reprlib.repr(origins)}, not one"
+            " {rank: origin} (a merged trace holds several ranks)",
+        )
+    ((rank, origin_ns),) = origins.items()
+    if not rank.isdigit() or not isinstance(origin_ns, int) or isinstance(origin_ns, bool):
+        raise _not_a_rank_trace(
+            where, f"its time origin {{{rank!r}: {origin_ns!r}}} is not {{rank: integer ns}}"
+        )
+    return int(rank), origin_ns, events
 
 
 def merge_traces(
@@ -199,27 +246,50 @@ def merge_traces(
     For timelines that could not be merged at stop (started by ``GOSSAMER_TIMELINE``).
 
     Args:
-        inputs (Iterable[str | os.PathLike]): the per-rank files.
+        inputs (Iterable[str | os.PathLike]): the per-rank files, one per rank (a list, not
+            a single path).
         output (str | os.PathLike): the merged file to write.
 
     Returns:
         pathlib.Path: ``output``.
 
     Raises:
-        ValueError: an input is not a trace written by this module.
+        TypeError: ``inputs`` is a single path or not iterable, or an input or ``output``
+            is not a path.
+        ValueError: ``inputs`` is empty, an input is not a per-rank trace written by this
+            module, or two inputs hold the same rank.
+        OSError: an input could not be read or ``output`` written.
 
     Example:
         >>> files = sorted(glob.glob("/tmp/trace.rank*.json"))
         >>> merge_traces(files, "/tmp/trace.json")  # doctest: +SKIP
         PosixPath('/tmp/trace.json')
     """
-    parts = []
-    for name in inputs:
-        with open(_check_path(name, "inputs"), encoding="utf-8") as f:
-            document = json.load(f)
-        origins = document.get("otherData", {}).get("gossamer_time_origin_ns")
-        if not isinstance(origins, dict) or len(origins) != 1:
-            raise ValueError(f"{name} is not a per-rank trace written by gossamer's timeline")
-        ((rank, origin_ns),) = origins.items()
-        parts.append((int(rank), int(origin_ns), document["traceEvents"]))
-    return _write(pathlib.Path(_check_path(output, "output")), _merge(parts))
+    if isinstance(inputs, str | bytes | os.PathLike):
+        raise TypeError(
+            f"inputs must be an iterable of per-rank trace files, not a single path; got "
+            f"{inputs!r} (pass [{inputs!r}] to merge one file)"
+        )
+    try:
+        names = list(inputs)
+    except TypeError:
+        raise TypeError(
+            f"inputs must be an iterable of per-rank trace files; got {type(inputs).__name__}"
+        ) from None
+    if not names:
+        raise ValueError("inputs must name at least one per-rank trace file; got none")
+    target = pathlib.Path(_check_path(output, "output"))
+    parts: list[_Part] = []
+    holder: dict[int, str] = {}  # rank -> the input that held it
+    for i, name in enumerate(names):
+        path = _check_path(name, f"inputs[{i}]")
+        where = f"inputs[{i}] = {path!r}"
+        part = _read_part(where, path)
+        if part[0] in holder:
+            raise ValueError(
+                f"{holder[part[0]]} and {where} both hold rank {part[0]}; "
+                "merge_traces takes one file per rank"
+            )
+        holder[part[0]] = where
+        parts.append(part)
+    return _write(target, _merge(parts))
