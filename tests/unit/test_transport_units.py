@@ -41,7 +41,7 @@ def test_rejected_header_carries_the_operation_the_rank_and_the_reason_length():
 
 @pytest.fixture
 def alive(monkeypatch):
-    monkeypatch.setattr("gossamer.transport.liveness.DEAD_AFTER_S", 0.3)
+    monkeypatch.setenv("GOSSAMER_DEAD_AFTER", "0.3")
     live = Liveness(dist.HashStore(), rank=0, size=4, store_host=None)
     yield live
     live.close()

@@ -33,6 +33,12 @@ DEFAULT_FUSION_BYTES = 8 * 2**20
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
+def live_optimizers(params: Sequence[torch.Tensor]) -> list[DecentralizedOptimizer]:
+    """The optimizers, not closed yet, that drive any of ``params`` (their hooks are on)."""
+    mine = set(params)
+    return [o for o in _LIVE if not mine.isdisjoint(o.params)]
+
+
 def _models(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     try:
         models = [model] if isinstance(model, nn.Module) else list(model)
@@ -270,8 +276,7 @@ class DecentralizedOptimizer:
 
     def _take_over(self) -> None:
         """Close the optimizers still driving these parameters: their hooks would fire too."""
-        mine = set(self.params)
-        for old in [o for o in _LIVE if not mine.isdisjoint(o.params)]:
+        for old in live_optimizers(self.params):
             warnings.warn(
                 f"{old!r} still drove parameters of this model; it is closed now (call "
                 "close() before building another optimizer on the same parameters)",

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from gossamer.optim.base import _LIVE
+from gossamer.optim.base import live_optimizers
 
 __all__ = ["MomentumCorrection"]
 
@@ -55,7 +55,7 @@ class MomentumCorrection:
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1); got {momentum!r}")
         self._params = [p for p in model.parameters() if p.requires_grad]
-        driven = [o for o in _LIVE if not set(self._params).isdisjoint(o.params)]
+        driven = live_optimizers(self._params)
         if driven:
             raise ValueError(
                 f"create MomentumCorrection before {type(driven[0]).__name__}: its gradient "
