@@ -2,7 +2,6 @@ import json
 import os
 import warnings
 from collections import defaultdict
-from decimal import Decimal
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import gossamer
 from gossamer.errors import PeerError
 from gossamer.profiling import timeline
 from gossamer.testing import run_distributed
+from traces import check_nesting_exact
 
 SIZES = [1, 2, 4]
 NEIGHBOR_PHASES = {"queued", "running", "communicating", "combining"}
@@ -104,24 +104,6 @@ def test_gossamer_timeline_variable_names_the_files(tmp_path):
     files = [tmp_path / str(r) / "trace.json" for r in range(world_size)]
     assert written == [[str(f)] for f in files]
     check_ops(phases_by_rank(load(timeline.merge_traces(files, tmp_path / "m.json"))), world_size)
-
-
-def check_nesting_exact(path):
-    """Spans of each track nest or are disjoint exactly, in the decimal text of the file."""
-    with open(path, encoding="utf-8") as f:
-        events = json.load(f, parse_float=Decimal)["traceEvents"]
-    tracks = defaultdict(list)
-    for e in events:
-        if e["ph"] == "X":
-            tracks[e["pid"], e["tid"]].append((Decimal(e["ts"]), Decimal(e["ts"] + e["dur"])))
-    for key, track in tracks.items():
-        stack = []
-        for start, end in sorted(track, key=lambda s: (s[0], -s[1])):
-            while stack and stack[-1] <= start:
-                stack.pop()
-            assert not stack or end <= stack[-1], (key, start, end, stack[-1])
-            stack.append(end)
-    return sum(map(len, tracks.values()))
 
 
 def _many_traced_ops(path, rounds):

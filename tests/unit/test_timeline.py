@@ -8,7 +8,6 @@ import sys
 import threading
 import warnings
 from collections import defaultdict
-from decimal import Decimal
 
 import pytest
 
@@ -16,6 +15,7 @@ import gossamer.profiling
 from gossamer.errors import CommunicationTimeout, PeerError
 from gossamer.profiling import counters, session, spans, timeline, trace
 from gossamer.transport import HEADER_LEN
+from traces import check_nesting_exact
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -258,26 +258,6 @@ def test_merge_traces_aligns_the_ranks_clocks(tmp_path):
     assert names == {0: "rank 0", 1: "rank 1"}
     with pytest.raises(ValueError, match="not a per-rank trace"):
         timeline.merge_traces([out], tmp_path / "again.json")
-
-
-def check_nesting_exact(path):
-    """Spans of each track nest or are disjoint exactly, in the decimal text of the file."""
-    with open(path, encoding="utf-8") as f:
-        events = json.load(f, parse_float=Decimal)["traceEvents"]
-    tracks = defaultdict(list)
-    for e in events:
-        if e["ph"] == "X":
-            tracks[e["pid"], e["tid"]].append((Decimal(e["ts"]), Decimal(e["ts"] + e["dur"])))
-    for key, track in tracks.items():
-        stack = []
-        for start, end in sorted(track, key=lambda s: (s[0], -s[1])):
-            while stack and stack[-1] <= start:
-                stack.pop()
-            assert not stack or end <= stack[-1], (
-                f"{key}: a span ending at {end} overlaps one ending at {stack[-1]}"
-            )
-            stack.append(end)
-    return sum(map(len, tracks.values()))
 
 
 def test_merging_shifts_spans_without_rounding_them_apart(tmp_path):
