@@ -50,6 +50,16 @@ CASES = [
         ["--compressors", "powersgd:0"],
     ),
     ("benchmarks/compression_accuracy.py", ["--batch-size", "5000"], ["--batch-size", "5000"]),
+    (
+        "benchmarks/compression_accuracy.py",
+        ["--choco-compressors", "bogus"],
+        ["--choco-compressors", "bogus"],
+    ),
+    (
+        "benchmarks/compression_accuracy.py",
+        ["--choco-compressors", "none"],
+        ["--choco-compressors", "none"],
+    ),
     ("examples/average_consensus.py", ["--max-iters", "-3"], ["--max-iters", "-3"]),
     ("examples/average_consensus.py", ["--data-size", "0"], ["--data-size", "0"]),
     ("examples/average_consensus.py", ["--data-size", "-2"], ["--data-size", "-2"]),
@@ -224,10 +234,32 @@ def test_compression_accuracy_table_in_a_world_of_one():
         {"name": "allreduce + uint8 + EF", "optimizer": "allreduce", "accuracy": 0.8, "bytes": 0.0},
     ]
     for row in rows:
-        row["averaged_model_accuracy"] = row["accuracy"]
+        row |= {"averaged_model_accuracy": row["accuracy"], "seed": 0}
     lines = table(rows, 3, 1).splitlines()
     assert lines[-1].endswith("| 0 | - |")
     assert "-10.00" in lines[-1]
+
+
+def test_compression_accuracy_over_seeds_compares_each_seed_with_its_own_baseline():
+    from benchmarks.compression_accuracy import seeds_table
+
+    accuracies = {  # (name, optimizer): accuracy on seeds 0 and 1
+        ("allreduce", "allreduce"): (0.90, 0.80),
+        ("allreduce + topk:0.01 + EF", "allreduce"): (0.88, 0.81),
+        ("gossip", "gossip"): (0.90, 0.95),
+        ("choco sign", "gossip"): (0.895, 0.90),
+    }
+    rows = [
+        {"name": name, "optimizer": optimizer, "seed": seed, "accuracy": acc, "bytes": 100.0}
+        for (name, optimizer), both in accuracies.items()
+        for seed, acc in enumerate(both)
+    ]
+    lines = {line.split(" | ")[0]: line for line in seeds_table(rows, 3, 4).splitlines()}
+    assert lines["| allreduce + topk:0.01 + EF"].split(" | ")[1:6] == [
+        "84.50", "-2.00 +1.00", "-0.50", "-2.00", "1 of 2"
+    ]  # fmt: skip
+    assert lines["| choco sign"].split(" | ")[2:6] == ["-0.50 -5.00", "-2.75", "-5.00", "1 of 2"]
+    assert lines["| gossip"].split(" | ")[2:6] == ["+0.00 +0.00", "+0.00", "+0.00", "2 of 2"]
 
 
 def test_train_digits_accuracy_leaves_a_qat_model_unchanged():
