@@ -192,8 +192,13 @@ def _misuse():
         errors.append(f"{type(err).__name__}: {err}")
     # close() gives back what the user had set, a parameter frozen by the user included
     model[0].bias.requires_grad_(False)
-    CoCoFL(sgd(), model, frozen=["0"], constrained=True).close()
+    closed = CoCoFL(sgd(), model, frozen=["0"], constrained=True)
+    closed.close()
     errors.append((model[0].weight.requires_grad, model[0].bias.requires_grad))
+    try:  # a closed optimizer steps no more, as the others (its masks no longer hold)
+        closed.step()
+    except RuntimeError as err:
+        errors.append(f"{type(err).__name__}: {err}")
     return errors
 
 
@@ -209,3 +214,4 @@ def test_cocofl_argument_errors():
     assert errors[7] == (3, 3, True)
     assert errors[8] == "TypeError: frozen must be a sequence of module names; got None"
     assert errors[9] == (True, False)
+    assert errors[10] == "RuntimeError: CoCoFL was closed; build a new optimizer"

@@ -267,6 +267,64 @@ def test_a_second_backward_pass_before_step_is_refused_naming_the_parameter():
     assert run_distributed(_second_backward, 2) == [True, True]
 
 
+def _skipped_step(kind, skip):
+    """Four iterations; with ``skip``, iteration 1 leaves out step() after its backward pass."""
+    model = Net(gossamer.rank())
+    sgd = _torch_optimizer("sgd", model)
+    make = {
+        "atc": optim.AdaptThenCombine,
+        "push-sum": optim.PushSum,
+        "gradient-allreduce": optim.GradientAllreduce,
+    }[kind]
+    opt = make(sgd, model, fusion_threshold_bytes=100)
+    for step in range(4):
+        opt.zero_grad()
+        x, y = _batch(gossamer.rank(), step)
+        if skip or step != 1 or kind != "gradient-allreduce":
+            _loss(model, x, y).backward()
+        if skip and step == 1:
+            continue
+        opt.step()
+    opt.synchronize()
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["atc", "push-sum", "gradient-allreduce"])
+def test_zero_grad_after_a_skipped_step_finishes_it_and_training_goes_on(kind):
+    """A skipped ``step()`` after backward no longer wedges every later backward pass.
+
+    ATC and push-sum took the local steps in that backward pass: ``zero_grad()`` finishes
+    the step (with a warning), the same as calling ``step()`` (push-sum, which combines what
+    has arrived, only goes on). Gradient allreduce drops the
+    averaged gradients, as torch DDP does: the same as not training on that batch.
+    """
+    for n in (2, 3):
+        skipped = run_distributed(_skipped_step, n, args=(kind, True))
+        if kind == "push-sum":  # asynchronous: it combines what has arrived, so no reference
+            assert all(torch.isfinite(p).all() for params in skipped for p in params)
+            continue
+        reference = run_distributed(_skipped_step, n, args=(kind, False))
+        for got, want in zip(skipped, reference, strict=True):
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _warns_on_skipped_step():
+    model = Net(gossamer.rank())
+    opt = optim.AdaptThenCombine(_torch_optimizer("sgd", model), model)
+    _loss(model, *_batch(gossamer.rank(), 0)).backward()
+    with pytest.warns(RuntimeWarning, match=r"zero_grad\(\) before step\(\).*finished the step"):
+        opt.zero_grad()
+    assert not opt.step_in_progress
+    opt.close()
+    return True
+
+
+def test_zero_grad_before_step_warns_that_it_finished_the_step():
+    assert run_distributed(_warns_on_skipped_step, 2) == [True, True]
+
+
 # ---------------------------------------------------------------- the timeline shows it
 class _SlowBackward(torch.autograd.Function):
     """Identity whose backward sleeps: the model's first layer, so the last in backward."""

@@ -66,3 +66,36 @@ def test_dead_mutex_holder_gives_the_waiter_an_error(tmp_path):
     assert lines[1].startswith("put: RankLostError") and "rank 1 was lost" in lines[1], out0
     assert "rank 0 shut down" in out0, out0
     assert time.time() - start < 120
+
+
+RAISES_IN_WITH = textwrap.dedent(r"""
+    import torch, gossamer
+    gossamer.init()
+    with gossamer.Window.create(torch.zeros(3), zero_init=True) as win:
+        for it in range(20):
+            if it == 2 and gossamer.rank() == 1:
+                raise ValueError("user bug on rank 1")
+            win.put()
+            win.update()
+            gossamer.barrier()
+""")
+
+
+def test_an_error_inside_a_window_block_is_the_error_reported(tmp_path):
+    """Leaving ``with Window.create(...)`` by an exception does not run the collective free.
+
+    It used to wait there for the ranks that did not fail, until the timeout, and the
+    ``CommunicationTimeout`` of the free hid the user's error from the traceback.
+    """
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES_IN_WITH)
+    done = subprocess.run(
+        [sys.executable, "-m", "gossamer.launcher", "run", "-np", "2", str(script)],
+        env={**os.environ, "GOSSAMER_TIMEOUT": "10"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode != 0
+    assert "ValueError: user bug on rank 1" in done.stderr, done.stderr
+    assert "Window.free" not in done.stderr, done.stderr

@@ -153,6 +153,7 @@ class CoCoFL:
         self.masked = topology is None if masked is None else masked
         self.num_steps_per_communication = period
         self.steps = 0
+        self._closed = False
         self.rounds = 0
         self.params = [p for _, p in model.named_parameters()]
         frozen_params = {id(p) for n in self.frozen for p in modules[n].parameters()}
@@ -237,6 +238,8 @@ class CoCoFL:
 
     def step(self, closure=None):
         """The local step of the trainable layers; the masked average on schedule."""
+        if self._closed:  # its frozen layers train again: the masks no longer hold
+            raise RuntimeError("CoCoFL was closed; build a new optimizer")
         loss = self.optimizer.step(closure)
         self.steps += 1
         if self.steps % self.num_steps_per_communication == 0:
@@ -282,6 +285,7 @@ class CoCoFL:
         for p, required in self._requires_grad.items():
             p.requires_grad_(required)
         self._layers, self.quantized, self._requires_grad = {}, {}, {}
+        self._closed = True
 
     def __repr__(self) -> str:
         return (

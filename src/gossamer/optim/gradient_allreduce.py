@@ -164,6 +164,18 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
             self._ready = [0] * len(self.buckets)
             self._launched = 0
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients; first finish the allreduces a backward pass started.
+
+        As with torch DDP, a ``step()`` left out after a backward pass (a skipped batch)
+        drops that pass's averaged gradients; the rounds it launched complete here, so
+        every rank runs the same collectives whether it skipped ``step()`` or not.
+        """
+        if self._accumulating:
+            self.synchronize()
+            self._accumulating = False
+        super().zero_grad(set_to_none)
+
     def step(self, closure=None):
         """Wait for the averaged gradients, then take the wrapped optimizer's step."""
         if closure is not None:

@@ -10,6 +10,7 @@ whose result the module must wait for (:func:`module_buckets`).
 from __future__ import annotations
 
 import abc
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -177,6 +178,27 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
     def step_in_progress(self) -> bool:
         """Whether a backward pass began this step's local steps and ``step()`` has not run."""
         return self._arrivals.any or bool(self._ready) or self._queued > 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients; first finish, as :meth:`step` does, a step backward began.
+
+        With ``overlap=True`` the backward pass of a communication step already took the
+        local steps of its buckets and sent them, so a ``step()`` left out (a batch skipped
+        after its backward pass) cannot undo them; the step is finished here, with a
+        warning, and the next backward pass begins a new one. Every rank then runs the same
+        rounds, whether it skipped ``step()`` or not.
+        """
+        if self._arrivals.any or self._ready or self._queued:
+            warnings.warn(
+                f"{type(self).__name__}.zero_grad() before step(): with overlap=True the "
+                "backward pass already took this step's local steps and sent them, so "
+                "zero_grad() finished the step as step() does; to skip a batch, skip its "
+                "backward pass (or construct the optimizer with overlap=False)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.step()
+        super().zero_grad(set_to_none)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         if self._no_sync or not self._is_round():

@@ -213,9 +213,19 @@ class Window:
     def __enter__(self) -> Window:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._state is not None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if self._state is None:
+            return
+        if exc_type is None:
             self.free()
+            return
+        # An error is on its way out: free() would wait at a barrier for the ranks that did
+        # not fail (until the timeout, hiding the error); release this rank's side only.
+        state, self._state = self._state, None
+        windows = registry()
+        windows.windows.pop(self.name, None)
+        if windows.service is not None:
+            windows.service.windows.pop(state.wid, None)
 
     def _require(self) -> WindowState:
         if self._state is None:
