@@ -8,10 +8,19 @@ from torch import nn
 __all__ = ["MLP", "SmallCNN", "SmallResNet"]
 
 
+def _sizes(minimum: int, **sizes: object) -> None:
+    """Raise naming the first of ``sizes`` that is not an int >= ``minimum`` (bools refused)."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+
+
 class MLP(nn.Sequential):
     """``depth`` hidden layers of ``hidden`` units with ReLU."""
 
     def __init__(self, inputs: int, hidden: int, outputs: int, depth: int = 2) -> None:
+        _sizes(1, inputs=inputs, hidden=hidden, outputs=outputs)
+        _sizes(0, depth=depth)
         layers: list[nn.Module] = []
         width = inputs
         for _ in range(depth):
@@ -25,6 +34,7 @@ class SmallCNN(nn.Module):
     """Two convolutions and a linear head, for 8x8 images such as scikit-learn's digits."""
 
     def __init__(self, classes: int = 10, channels: int = 1) -> None:
+        _sizes(1, classes=classes, channels=channels)
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(channels, 16, 3, padding=1),
@@ -64,6 +74,7 @@ class SmallResNet(nn.Module):
     """A ResNet-18-style network for 32x32 images: three stages of ``blocks`` basic blocks."""
 
     def __init__(self, classes: int = 10, width: int = 16, blocks: int = 1) -> None:
+        _sizes(1, classes=classes, width=width, blocks=blocks)
         super().__init__()
         self.stem = nn.Sequential(
             nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()

@@ -199,6 +199,11 @@ def _misuse():
         closed.step()
     except RuntimeError as err:
         errors.append(f"{type(err).__name__}: {err}")
+    other = torch.nn.Linear(2, 3)  # the model given does not own what the optimizer trains
+    try:
+        CoCoFL(torch.optim.SGD(other.parameters(), lr=LR), model)
+    except ValueError as err:
+        errors.append(f"{type(err).__name__}: {err}")
     return errors
 
 
@@ -215,3 +220,6 @@ def test_cocofl_argument_errors():
     assert errors[8] == "TypeError: frozen must be a sequence of module names; got None"
     assert errors[9] == (True, False)
     assert errors[10] == "RuntimeError: CoCoFL was closed; build a new optimizer"
+    assert errors[11] == (
+        "ValueError: the optimizer has parameters that are not in the model (shapes [(3, 2), (3,)])"
+    )

@@ -9,6 +9,8 @@
 - ``communication=""`` was taken for the default.
 """
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -282,3 +284,90 @@ def test_mismatches_name_what_differs_and_results_carry_no_graph(world_size):
         assert "allreduce (root" not in kinds and "broadcast (op" not in kinds, kinds
         assert out["graphs"] == [False] * 4, r
         assert out["in_place"]
+
+
+# Session 29's wrong-argument audit: each case failed before its fix.
+def _schedule_misuse():
+    model = torch.nn.Linear(2, 1)
+    errors = {}
+    for name, schedule in {
+        "ran out": iter([topo.Step((), (), 1.0, {}, {})] * 2),
+        "not steps": iter([3, 4]),
+    }.items():
+        opt = AdaptThenCombine(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, schedule=schedule
+        )
+        try:
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.ones(1, 2)).sum().backward()
+                opt.step()
+        except Exception as err:
+            errors[name] = f"{type(err).__name__}: {err}"
+        opt.close()
+    return errors
+
+
+def test_a_schedule_that_runs_out_or_is_not_of_steps_is_named():
+    """A bare StopIteration ended a caller's loop (``map``, a generator) silently."""
+    errors = run_distributed(_schedule_misuse, 1)[0]
+    assert errors["ran out"] == (
+        "ValueError: schedule ran out after 2 steps; pass an endless one (e.g. "
+        "itertools.cycle, or a generator of gossamer.topology)"
+    )
+    assert errors["not steps"].startswith("TypeError: schedule must yield gossamer.topology.Step")
+    assert "is 3" in errors["not steps"]
+
+
+def _bad_root():
+    from gossamer.optim import broadcast_optimizer_state
+
+    sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    errors = []
+    for root in (True, 5, None, np.float32(0.5)):
+        try:
+            broadcast_optimizer_state(sgd, root_rank=root)
+        except (TypeError, ValueError) as err:
+            errors.append(f"{type(err).__name__}: {err}")
+    return errors
+
+
+def test_broadcast_optimizer_state_checks_its_root():
+    errors = run_distributed(_bad_root, 2)[0]
+    assert errors == [
+        "TypeError: root_rank must be an int rank; got True",
+        "ValueError: root_rank must be a rank in [0, 2); got 5",
+        "TypeError: root_rank must be an int rank; got None",
+        "TypeError: root_rank must be an int rank; got np.float32(0.5)",
+    ]
+
+
+def test_pure_calls_refuse_what_they_used_to_take():
+    from gossamer.communicators import NonlinearGossip
+    from gossamer.compression import qat_qconfig
+
+    step = topo.Step((1,), (1,), 0.5, {1: 0.5}, {1: 1.0})
+    for dead, kind in [("1", TypeError), (1, TypeError), ([True], TypeError), ((1.0,), TypeError)]:
+        with pytest.raises(kind, match="dead"):
+            topo.drop_dead(step, dead)
+    with pytest.raises(ValueError, match=r"dead entries must be >= 0; got -1"):
+        topo.drop_dead(step, [-1])
+    assert topo.drop_dead(step, [9]) == step  # a rank the step does not name
+    for value in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="step_size must be a number"):
+            NonlinearGossip(step_size=value)
+    for flag in ("False", None, 0.0):
+        with pytest.raises(TypeError, match="per_channel must be a bool"):
+            qat_qconfig(per_channel=flag)
+    from gossamer.models import MLP, SmallCNN, SmallResNet
+
+    for build, named in [
+        (lambda: MLP(3, 4, 2, depth=-3), "depth must be an int >= 0; got -3"),
+        (lambda: MLP(True, 4, 2), "inputs must be an int >= 1; got True"),
+        (lambda: MLP(3, 4.0, 2), "hidden must be an int >= 1; got 4.0"),
+        (lambda: SmallCNN(channels=-1), "channels must be an int >= 1; got -1"),
+        (lambda: SmallResNet(blocks=0), "blocks must be an int >= 1; got 0"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            build()
+    assert len(MLP(3, 4, 2, depth=0)) == 2  # Flatten and one Linear: depth 0 is allowed

@@ -68,6 +68,16 @@ def test_arguments_are_checked_at_the_boundary(tmp_path):
         checkpoint.load(tmp_path, [model, _net()], opt)
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         checkpoint.load(tmp_path / "nothing", model, opt)
+    with pytest.raises(ValueError, match="path must name a directory; got ''"):
+        checkpoint.save("", model, opt)  # it wrote into the working directory
+    # Another torch optimizer: SGD's hyper-parameters replaced Adam's, which then failed.
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"saved with a torch.optim.SGD; .* torch.optim.Adam"):
+        checkpoint.load(tmp_path, model, adam)
+    assert adam.param_groups[0]["lr"] == 1e-3 and "betas" in adam.param_groups[0]
+    wider = nn.Sequential(nn.Linear(3, 5), nn.Dropout(0.3), nn.Linear(5, 1))
+    with pytest.raises(ValueError, match=r"entry '0.weight' has shape \(4, 3\); .* \(5, 3\)"):
+        checkpoint.load(tmp_path, wider, torch.optim.SGD(wider.parameters(), lr=0.1))
 
 
 def test_interrupted_or_changed_checkpoints_are_refused(tmp_path):

@@ -98,7 +98,7 @@ def save(
 
     Raises:
         TypeError: a bad ``path``, ``model``, ``optimizer`` or ``extra``.
-        ValueError: the optimizer is in the middle of a step.
+        ValueError: the optimizer is in the middle of a step, or ``path`` is empty.
         CheckpointError: another rank failed (on the ranks that did not; the failing rank
             raises its own error). No manifest is written then.
     """
@@ -185,8 +185,9 @@ def load(
         TypeError: a bad ``path``, ``model`` or ``optimizer``.
         FileNotFoundError: ``path`` is not a directory.
         ValueError: the checkpoint was written by another number of ranks, or by the
-            survivors of a death, and ``resize`` is False, or it does not fit the model or
-            optimizer.
+            survivors of a death, and ``resize`` is False, or it does not fit the model (a
+            tensor of another shape) or the optimizer (another wrapper, or another torch
+            optimizer inside it).
         CheckpointError: no manifest (an interrupted save), a file that does not match it,
             or another rank failed.
     """
@@ -214,7 +215,7 @@ def load(
         elif error is None and directory is not None:
             payload = read_rank_file(directory, manifest, rank, size)
         if error is None:
-            check_fit(payload, single, len(models), optimizer)
+            check_fit(payload, single, models, optimizer)
     except Exception as err:
         error = error or err
     exchange(rank, size, error, [], "load")
@@ -254,6 +255,8 @@ def _world() -> tuple[int, int]:
 def _directory(path: object) -> Path:
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path must be a str or os.PathLike; got {path!r}")
+    if not os.fspath(path):  # Path("") is the working directory
+        raise ValueError("path must name a directory; got ''")
     return Path(path)
 
 

@@ -67,6 +67,7 @@ def capture(
         "world_size": size,
         "step": step if isinstance(step, int) else None,
         "optimizer_class": type(optimizer).__qualname__,
+        "inner_optimizer_class": _inner_class(optimizer),
         "decentralized": isinstance(optimizer, DecentralizedOptimizer),
         "model": model_states[0] if single else model_states,
         "optimizer": optimizer_state,
@@ -98,14 +99,37 @@ def set_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def check_fit(payload: dict, single: bool, count: int, optimizer: object) -> None:
-    """Raise ValueError unless the payload fits the model layout and optimizer kind."""
+def _inner_class(optimizer: object) -> str:
+    """The class of the torch optimizer that takes the steps (inside a gossamer wrapper)."""
+    return type(getattr(optimizer, "optimizer", optimizer)).__qualname__
+
+
+def check_fit(payload: dict, single: bool, models: list[nn.Module], optimizer: object) -> None:
+    """Raise ValueError unless the payload fits the models and the optimizer's kind.
+
+    Loading another torch optimizer's state (SGD's into Adam) would replace its
+    hyper-parameters and fail at its next step; another model's, fail inside torch.
+    """
     saved = payload["model"]
-    if single != isinstance(saved, dict) or (not single and len(saved) != count):
+    if single != isinstance(saved, dict) or (not single and len(saved) != len(models)):
         shape = "one module" if isinstance(saved, dict) else f"{len(saved)} modules"
-        raise ValueError(f"the checkpoint holds {shape}; model has {count}")
+        raise ValueError(f"the checkpoint holds {shape}; model has {len(models)}")
     if payload["decentralized"] != isinstance(optimizer, DecentralizedOptimizer):
         raise ValueError(
             f"the checkpoint was saved from optimizer class {payload['optimizer_class']}; "
             f"optimizer has class {type(optimizer).__qualname__}"
         )
+    inner = payload.get("inner_optimizer_class")  # absent in older checkpoints
+    if inner is not None and inner != _inner_class(optimizer):
+        raise ValueError(
+            f"the checkpoint was saved with a torch.optim.{inner}; optimizer steps with a "
+            f"torch.optim.{_inner_class(optimizer)}"
+        )
+    for module, state in zip(models, [saved] if single else saved, strict=True):
+        for key, value in module.state_dict().items():
+            got = state.get(key)
+            if isinstance(got, torch.Tensor) and got.shape != value.shape:
+                raise ValueError(
+                    f"the checkpoint's model entry {key!r} has shape {tuple(got.shape)}; the "
+                    f"model's has {tuple(value.shape)}"
+                )

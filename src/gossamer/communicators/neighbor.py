@@ -60,8 +60,25 @@ class Scheduled(Communicator):
 
     def _advance(self) -> None:
         if self.schedule is not None:
-            self.step = next(self.schedule)
+            self.step = self._next_step()
             self.schedule_steps += 1
+
+    def _next_step(self) -> Step:
+        """The schedule's next step; a schedule that ran out or gives another type raises."""
+        try:
+            step = next(self.schedule)
+        except StopIteration:
+            # A bare StopIteration would end a caller's loop (map, a generator) silently.
+            raise ValueError(
+                f"schedule ran out after {self.schedule_steps} steps; pass an endless one "
+                "(e.g. itertools.cycle, or a generator of gossamer.topology)"
+            ) from None
+        if not isinstance(step, Step):
+            raise TypeError(
+                f"schedule must yield gossamer.topology.Step values; step "
+                f"{self.schedule_steps} is {step!r}"
+            )
+        return step
 
     def state_dict(self) -> dict:
         """Rounds and schedule position."""
@@ -78,7 +95,7 @@ class Scheduled(Communicator):
                     f"position {target}; pass a fresh schedule"
                 )
             while self.schedule_steps < target:
-                self.step = next(self.schedule)
+                self.step = self._next_step()
                 self.schedule_steps += 1
 
 

@@ -32,6 +32,7 @@ Send-side scales (``Step.dst_weights``) are not applied: every neighbour sends i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -53,7 +54,7 @@ def _check_number(value: object, name: str, low: float, high: float | None) -> f
     bad = isinstance(value, bool) or not isinstance(value, int | float)
     if not bad:
         value = float(value)
-        bad = not (low < value and (high is None or value <= high))
+        bad = not (low < value < math.inf and (high is None or value <= high))
     if bad:
         upper = "inf)" if high is None else f"{high}]"
         raise ValueError(f"{name} must be a number in ({low}, {upper}; got {value!r}")

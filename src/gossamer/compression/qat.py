@@ -57,8 +57,11 @@ def qat_qconfig(*, per_channel: bool = True, averaging: float = 0.1):
         torch.ao.quantization.QConfig
 
     Raises:
+        TypeError: ``per_channel`` is not a bool.
         ValueError: ``averaging`` outside (0, 1].
     """
+    if not isinstance(per_channel, bool):
+        raise TypeError(f"per_channel must be a bool; got {per_channel!r}")
     if isinstance(averaging, bool) or not isinstance(averaging, int | float):
         raise ValueError(f"averaging must be a number in (0, 1]; got {averaging!r}")
     if not 0 < averaging <= 1:
@@ -114,7 +117,7 @@ def quantize_model(
         nn.Module: ``model``, with fake-quant modules inserted.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
+        TypeError: ``model`` is not an ``nn.Module``, or ``per_channel`` not a bool.
         ValueError: ``model`` has uninitialised lazy parameters, or no layer that QAT
             can quantize (nothing would be 8-bit), or ``averaging`` is outside (0, 1].
 

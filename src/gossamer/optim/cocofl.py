@@ -94,7 +94,8 @@ class CoCoFL:
 
     Raises:
         TypeError: a frozen name is not an ``nn.Linear`` or an argument has the wrong type.
-        ValueError: a frozen name is not in the model, or a count is out of range.
+        ValueError: a frozen name is not in the model, a count is out of range, or the
+            optimizer has parameters the model does not own.
 
     Example:
         >>> sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -135,6 +136,14 @@ class CoCoFL:
             raise ValueError(f"num_steps_per_communication must be an int >= 1; got {period!r}")
         if topology is not None and topology.size != context.size():
             raise ValueError(f"topology has {topology.size} ranks; the world has {context.size()}")
+        owned = set(model.parameters())
+        strangers = [
+            tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if p not in owned
+        ]
+        if strangers:  # the model averaged would not be the one trained
+            raise ValueError(
+                f"the optimizer has parameters that are not in the model (shapes {strangers})"
+            )
         modules = dict(model.named_modules())
         missing = [n for n in frozen if n not in modules]
         if missing:

@@ -63,6 +63,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {optimizer!r}")
     transport.group_rank(None)
+    transport.check_rank(root_rank, "root_rank", context.size())
     payload = [inner.state_dict() if context.rank() == root_rank else None]
 
     def body() -> None:

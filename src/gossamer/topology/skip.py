@@ -136,13 +136,20 @@ def drop_dead(step: Step, dead: Collection[int]) -> Step:
     left the rank keeps its value (self weight 1). Every survivor-to-survivor edge of the
     step is kept, so a rank whose step touches no dead rank gets its step back unchanged.
 
+    Raises:
+        TypeError: ``step`` is not a :class:`Step`, or ``dead`` not a collection of ints.
+        ValueError: a negative rank in ``dead``.
+
     Example:
         >>> drop_dead(Step((2,), (2,), 0.5, {2: 0.5}, {2: 1.0}), {2}).self_weight
         1.0
     """
     if not isinstance(step, Step):
         raise TypeError(f"step must be a topology.Step; got {step!r}")
-    return _kept(step, frozenset(dead))
+    if isinstance(dead, str | bytes) or not isinstance(dead, Collection):
+        raise TypeError(f"dead must be a collection of ranks; got {dead!r}")
+    # The world size is unknown here: a rank the step does not name changes nothing.
+    return _kept(step, frozenset(check_int(r, "dead entries", minimum=0) for r in dead))
 
 
 def _skipping(
