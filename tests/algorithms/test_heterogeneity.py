@@ -552,6 +552,8 @@ def _argument_errors():
         optim.CompNGC(sgd, model, compression="none")
     with pytest.raises(ValueError, match=r"NGC\.step needs closure="):
         optim.NGC(sgd, model).step()
+    with pytest.raises(ValueError, match=r"DACFL does not support elastic=True"):
+        optim.DACFL(sgd, model, elastic=True)  # it survived a death, off the optimum
     dacfl = optim.DACFL(sgd, model)
     state = dacfl.state_dict()
     state["communication"]["tracker"] = [torch.zeros(3, dtype=torch.float64)]
