@@ -96,6 +96,17 @@ def test_minmax_uint8_error_is_within_half_a_step(device):
         assert (chunk_x - chunk_y).abs().max() <= 0.5 * step * (1 + 1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "torch"])
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_minmax_uint8_turns_a_chunk_holding_a_non_finite_value_into_nans(dtype, bad):
+    # A gradient scaler looks for inf/NaN to skip the step: the chunk must not come back
+    # finite, nor raise from inside the kernel; the other chunk is untouched.
+    x = torch.tensor([1.0, bad, 2.0, 3.0, 5.0, 4.0], dtype=dtype)
+    y = MinMaxUInt8(2).decompress(MinMaxUInt8(2).compress(x))
+    assert not torch.isfinite(y[:3]).any()
+    torch.testing.assert_close(y[3:], x[3:], atol=2 / 255, rtol=0)
+
+
 def test_minmax_uint8_uses_fewer_chunks_than_asked_for_short_tensors():
     compressor = MinMaxUInt8(8)
     assert compressor.payload_nbytes(3) == 3 * 8 + 3  # three chunks of one element
@@ -169,6 +180,18 @@ def test_natural_dithering_rounds_between_powers_of_two_without_bias(levels, dev
     low = torch.where(r < smallest, 0.0, 2 ** torch.floor(torch.log2(r)))
     high = torch.where(r < smallest, smallest, 2 * low)
     _assert_rounds_between(samples, x, low * norm, high * norm, rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["kernel", "torch"])
+@pytest.mark.parametrize("make", [lambda: QSGD(4), lambda: NaturalDithering(4)], ids=["qsgd", "nd"])
+@pytest.mark.parametrize("scale", [1e20, 1e30])
+def test_norm_quantizers_keep_large_finite_values_finite(dtype, make, scale):
+    # float32 squares overflow from |x_i| ~ 1.8e19; the bucket norm must not.
+    x = torch.tensor([4.0, -2.0, 1.0, 0.0]).mul(scale).to(dtype)
+    y = make().decompress(make().compress(x)).double()
+    norm = x.double().norm()
+    assert torch.isfinite(y).all() and (y.abs() <= norm * (1 + 1e-2)).all()
+    assert y[3] == 0 and (y[:3] * x[:3].double() >= 0).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

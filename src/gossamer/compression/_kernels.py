@@ -51,6 +51,9 @@ _MANTISSA = np.int32(0x7FFFFF)
 # compiled signature (numba specialises on literal arguments), 15 s more to compile.
 _ONE_BIT = np.int64(1)
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+# MinMaxUInt8 divides by its scale, which is 0 for a chunk holding an infinity: numpy's
+# error model gives NaN there, as the torch formulation does, not a ZeroDivisionError.
+_jit_ieee = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
 
 @numba.njit(inline="always")
@@ -212,13 +215,27 @@ def _unpack_octets(wide, octets, bits, words):
             words[8 * o + k] = _spread(w, m16, m32, m64, bits)
 
 
-@numba.njit(fastmath=True)
+@numba.njit(fastmath={"reassoc"})
 def _sum_of_squares(x):
-    # Reassociated (fastmath) so that it vectorises: the sum is not the codes' reference.
+    # Reassociated so that it vectorises: the sum is not the codes' reference. Only that
+    # flag: full fastmath lets LLVM assume the sum finite and drop _norm's overflow test.
     total = np.float32(0.0)
     for i in range(x.shape[0]):
         total += x[i] * x[i]
     return total
+
+
+@numba.njit
+def _norm(x):
+    # float32 squares overflow from |x_i| ~ 1.8e19: only then sum again in float64, so
+    # the common case keeps the vectorised float32 pass.
+    total = _sum_of_squares(x)
+    if not math.isfinite(total):
+        wide = 0.0
+        for i in range(x.shape[0]):
+            wide += np.float64(x[i]) * np.float64(x[i])
+        return np.float32(math.sqrt(wide))
+    return np.float32(math.sqrt(total))
 
 
 @_jit
@@ -237,7 +254,7 @@ def norm_encode(x, k1, k2, levels, width, bits, dithering, norms, packed, codes)
         for b in range(lo // width, (hi + width - 1) // width):
             first, last = b * width, min(n, b * width + width)
             xs, cs = x[first:last], codes[first - lo : last - lo]
-            norm = np.float32(math.sqrt(_sum_of_squares(xs)))
+            norm = _norm(xs)
             norms[b] = norm
             if dithering:
                 _dither_codes(xs, first, norm, k1, k2, levels, cs)
@@ -335,7 +352,7 @@ def natural_decode(magnitudes, signs, out, codes, decoded, add):
                 dst[j] = decoded[j]
 
 
-@numba.njit(inline="always")
+@numba.njit(inline="always", error_model="numpy")
 def _minmax_codes(x, s, low, codes, target, add):
     zero, top = np.float32(0.0), np.float32(255.0)
     if add:
@@ -349,7 +366,7 @@ def _minmax_codes(x, s, low, codes, target, add):
             codes[i] = np.uint8(int32(t))
 
 
-@_jit
+@_jit_ieee
 def minmax_encode(x, length, scale, lower, codes, target, add):
     """Encode float32 ``x`` as MinMaxUInt8 codes: ``sat_uint8(rint(x_i * s_c) - lower_c)``.
 
@@ -362,7 +379,7 @@ def minmax_encode(x, length, scale, lower, codes, target, add):
         _minmax_codes(x[part], scale[c], lower[c], codes[part], target[part], add)
 
 
-@numba.njit(inline="always")
+@numba.njit(inline="always", error_model="numpy")
 def _minmax_values(codes, s, low, out, add):
     if add:
         for i in range(out.shape[0]):
@@ -372,7 +389,7 @@ def _minmax_values(codes, s, low, out, add):
             out[i] = (np.float32(codes[i]) + low) / s
 
 
-@_jit
+@_jit_ieee
 def minmax_decode(codes, length, scale, lower, out, add):
     """Invert :func:`minmax_encode` into float32 ``out``: ``(code + lower_c) / s_c``.
 

@@ -102,7 +102,9 @@ class _NormQuantizer(FusedAdd, Seeded):
         words = RandomWords(self.seed, step, flat.device)
         for block in block_slices(numel, flat.device, math.lcm(width, 8)):
             x = _buckets(flat[block].to(cdt), width)
-            norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+            # Summed in float64: float32 squares overflow from |x_i| ~ 1.8e19.
+            norms = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float64)
+            norms = norms.to(cdt)
             first = block.start // width
             norms_out[first : first + x.shape[0]] = norms.view(-1)
             codes = self._codes(x, norms, words.take(x.numel()).view(x.shape))
