@@ -40,6 +40,27 @@ def test_counts_add_up_per_operation_and_reset():
     assert profiling.bytes_sent() == 0
 
 
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda: profiling.count_sent("x", float("nan")), "nbytes"),
+        (lambda: profiling.count_sent("x", 2.5), "nbytes"),
+        (lambda: profiling.count_sent("x", -1), "nbytes"),
+        (lambda: profiling.collective_bytes("all_reduce", "100", 4), "nbytes"),
+        (lambda: profiling.collective_bytes("all_reduce", 100, 0), "size"),
+        (lambda: profiling.collective_bytes("all_reduce", 100, -3), "size"),
+        (lambda: profiling.collective_bytes("broadcast", 100, 4, 0, None), "root"),
+        (lambda: profiling.collective_bytes("gather", 100, 4, 4), "rank"),
+        (lambda: profiling.collective_bytes("all_gather", 100, True), "size"),
+    ],
+)
+def test_counters_refuse_counts_that_are_not_byte_counts(call, name):
+    profiling.reset_bytes_sent()
+    with pytest.raises(ValueError, match=name):
+        call()
+    assert profiling.bytes_sent() == 0  # nothing poisons the total
+
+
 def test_timeline_puts_bytes_on_the_running_span_or_a_sent_span(tmp_path):
     def job():
         profiling.count_sent("neighbor_allreduce", 70)

@@ -418,6 +418,12 @@ def test_a_timeline_left_on_is_written_at_exit(tmp_path):
     assert rows == {("rank 0", "row"): ["open"]}
 
 
+@pytest.mark.parametrize("rank, size", [("0", 2), (0, None), (0.5, 2), (2, 2), (-1, 2)])
+def test_attach_refuses_a_rank_outside_the_job(rank, size):
+    with pytest.raises(ValueError, match=r"rank|size"):
+        session.attach(rank, size)
+
+
 def test_attach_names_the_rank_and_gathers_the_merged_trace(tmp_path, monkeypatch):
     monkeypatch.setattr(session, "_world", session._World())  # restored after the test
     gossamer.profiling.attach(3, 4)

@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 
@@ -64,8 +65,11 @@ def count_sent(op: str, nbytes: int) -> None:
     Args:
         op (str): the operation (``"neighbor_allreduce"``, ``"window.put"``, ...).
         nbytes (int): bytes handed to the backend (see the module's table).
+
+    Raises:
+        ValueError: ``nbytes`` is not a non-negative integer.
     """
-    if nbytes <= 0:
+    if check_count(nbytes, "nbytes") == 0:
         return
     with _lock:
         _sent[op] = _sent.get(op, 0) + nbytes
@@ -87,12 +91,19 @@ def collective_bytes(collective: str, nbytes: int, size: int, rank: int = 0, roo
         root (int): the root's rank in the group (broadcast, gather, scatter).
 
     Raises:
-        ValueError: an unknown ``collective``.
+        ValueError: an unknown ``collective``, ``nbytes`` or ``size`` not a non-negative or
+            positive integer, ``rank`` or ``root`` not in ``range(size)``.
 
     Example:
         >>> collective_bytes("all_reduce", 1000, 4)
         1500
     """
+    check_count(nbytes, "nbytes")
+    if check_count(size, "size") == 0:
+        raise ValueError("size must be at least 1; got 0")
+    for name, value in (("rank", rank), ("root", root)):
+        if check_count(value, name) >= size:
+            raise ValueError(f"{name} must be in range(size={size}); got {value!r}")
     if collective == "all_gather":
         return (size - 1) * nbytes
     if collective == "all_reduce":
@@ -106,6 +117,17 @@ def collective_bytes(collective: str, nbytes: int, size: int, rank: int = 0, roo
     if collective == "scatter":
         return (size - 1) * nbytes // size if rank == root else 0
     raise ValueError(f"collective must be a known collective; got {collective!r}")
+
+
+def check_count(value: object, name: str) -> int:
+    """Return ``value`` if it is a non-negative integer (not a bool), else raise naming ``name``.
+
+    Raises:
+        ValueError: it is not.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer; got {value!r}")
+    return int(value)
 
 
 def count_collective(

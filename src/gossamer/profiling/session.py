@@ -28,7 +28,7 @@ from typing import Any
 
 from gossamer import env
 from gossamer.errors import CommunicationTimeout, GossamerError, PeerError
-from gossamer.profiling import spans, trace
+from gossamer.profiling import counters, spans, trace
 
 __all__ = [
     "attach",
@@ -90,7 +90,7 @@ def attach(rank: int, size: int, gather: Gather | None = None) -> None:
         >>> attach(0, 1)  # doctest: +SKIP
     """
     global _world
-    if not 0 <= rank < size:
+    if counters.check_count(rank, "rank") >= counters.check_count(size, "size"):
         raise ValueError(f"rank must be in range(size); got rank={rank}, size={size}")
     _world = _World(rank, size, gather)
 
