@@ -73,16 +73,21 @@ def test_dynamic_move_needs_no_machine_topology(src_w, dst_w, world_size, k):
 
 def _local_allreduce():
     x = torch.tensor([float(gossamer.rank())])
-    return gossamer.local_allreduce(x).item(), gossamer.local_allreduce(x, average=False).item()
+    inplace = x.clone()
+    handle = gossamer.local_allreduce_(inplace, average=False, async_op=True)
+    assert handle.wait() is inplace
+    out = gossamer.local_allreduce(x).item(), gossamer.local_allreduce(x, average=False).item()
+    return (*out, inplace.item(), x.item())
 
 
 @pytest.mark.parametrize(("world_size", "k"), [(4, 2), (4, 4), (3, 1)])
 def test_local_allreduce(world_size, k):
     got = run_distributed(_local_allreduce, world_size, env=_env(k))
-    for r, (avg, total) in enumerate(got):
+    for r, (avg, total, inplace, x) in enumerate(got):
         first = r - r % k
         assert avg == first + (k - 1) / 2
-        assert total == sum(range(first, first + k))
+        assert total == inplace == sum(range(first, first + k))
+        assert x == r  # out of place leaves the input
 
 
 def _errors():

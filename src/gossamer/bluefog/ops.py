@@ -77,19 +77,11 @@ def _allreduce(
 ) -> Any:
     if average:
         need_float(tensor, "allreduce with average=True")
-    if not is_hierarchical_local:
+    if is_hierarchical_local:
+        fn = gossamer.local_allreduce_ if inplace else gossamer.local_allreduce
+    else:
         fn = gossamer.allreduce_ if inplace else gossamer.allreduce
-        return fn(tensor, average=average, async_op=async_op)
-    result = gossamer.local_allreduce(tensor, average=average, async_op=async_op)
-
-    def finish(out: torch.Tensor) -> torch.Tensor:
-        if not inplace:
-            return out
-        with torch.no_grad():
-            tensor.copy_(out)
-        return tensor
-
-    return (result, finish) if async_op else finish(result)
+    return fn(tensor, average=average, async_op=async_op)
 
 
 @recorded("allreduce", "ENQUEUE_ALLREDUCE")

@@ -22,7 +22,12 @@ from gossamer.ops.defaults import (
     set_machine_topology,
     set_topology,
 )
-from gossamer.ops.hierarchical import hierarchical_neighbor_allreduce, local_allreduce, local_group
+from gossamer.ops.hierarchical import (
+    hierarchical_neighbor_allreduce,
+    local_allreduce,
+    local_allreduce_,
+    local_group,
+)
 from gossamer.ops.neighbor import neighbor_allgather, neighbor_allreduce, pair_gossip
 from gossamer.ops.point_to_point import recv, send
 from gossamer.ops.rooted import gather, reduce, scatter
@@ -43,6 +48,7 @@ __all__ = [
     "get_topology",
     "hierarchical_neighbor_allreduce",
     "local_allreduce",
+    "local_allreduce_",
     "local_group",
     "neighbor_allgather",
     "neighbor_allreduce",

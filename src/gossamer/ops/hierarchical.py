@@ -30,7 +30,7 @@ from gossamer.errors import (
     RankLostError,
     TopologyError,
 )
-from gossamer.ops.collectives import allreduce, reduce_into
+from gossamer.ops.collectives import allreduce, allreduce_, reduce_into
 from gossamer.ops.defaults import get_machine_topology
 from gossamer.profiling import count_collective, timeline
 from gossamer.transport import (
@@ -43,7 +43,12 @@ from gossamer.transport import (
     staged,
 )
 
-__all__ = ["hierarchical_neighbor_allreduce", "local_allreduce", "local_group"]
+__all__ = [
+    "hierarchical_neighbor_allreduce",
+    "local_allreduce",
+    "local_allreduce_",
+    "local_group",
+]
 
 
 def local_group() -> dist.ProcessGroup:
@@ -71,14 +76,22 @@ def local_allreduce(
 
     With ``average`` the sum is divided by ``local_size()``. Out of place.
     """
-    runtime = context.runtime()
-    # Creating the group is collective: queue it behind pending operations.
-    group = runtime.find("ops.local_group")
-    if group is None:
-        group = transport.run("local_group", local_group, False)
-    # allreduce checks the arguments, so a rank that rejects them still takes part (the
-    # other ranks of its machine raise PeerArgumentError naming it).
-    return allreduce(tensor, average=average, group=group, async_op=async_op)
+    return allreduce(tensor, average=average, group=_queued_local_group(), async_op=async_op)
+
+
+def local_allreduce_(
+    tensor: torch.Tensor, *, average: bool = True, async_op: bool = False
+) -> torch.Tensor | Handle:
+    """In-place :func:`local_allreduce`: writes the result into ``tensor`` and returns it."""
+    return allreduce_(tensor, average=average, group=_queued_local_group(), async_op=async_op)
+
+
+def _queued_local_group() -> dist.ProcessGroup:
+    group = context.runtime().find("ops.local_group")
+    # Creating the group is collective: queue it behind pending operations. The allreduce
+    # checks the arguments, so a rank that rejects them still takes part (the other ranks
+    # of its machine raise PeerArgumentError naming it).
+    return group if group is not None else transport.run("local_group", local_group, False)
 
 
 def _leader(machine: int) -> int:
