@@ -371,3 +371,35 @@ def test_pure_calls_refuse_what_they_used_to_take():
         with pytest.raises(ValueError, match=re.escape(named)):
             build()
     assert len(MLP(3, 4, 2, depth=0)) == 2  # Flatten and one Linear: depth 0 is allowed
+
+
+def _window_misuse():
+    win = gossamer.Window.create(torch.ones(2), name="misuse")
+    errors = []
+    calls = [
+        lambda: win.mutex(3),
+        lambda: win.mutex("1"),
+        lambda: win.mutex([1 - gossamer.rank()] * 2),  # waited for itself for ever
+        lambda: win.load_compression_state(None),
+        lambda: win.load_compression_state({"bogus": {}}),
+    ]
+    for call in calls:
+        try:
+            with call():
+                pass
+        except (TypeError, ValueError) as err:
+            errors.append(f"{type(err).__name__}: {err}")
+    win.load_compression_state({"steps": {}})  # what compression_state() writes still loads
+    win.free()
+    return errors
+
+
+def test_window_mutex_and_compression_state_refuse_what_would_hang_or_be_ignored():
+    errors = run_distributed(_window_misuse, 2, timeout=60)[1]
+    assert errors == [
+        "TypeError: Window.mutex: ranks must be a list of ranks; got 3",
+        "TypeError: Window.mutex: ranks must be a list of ranks; got '1'",
+        "ValueError: Window.mutex: ranks must not repeat a rank; got [0, 0]",
+        "TypeError: saved must be a compression_state() mapping; got None",
+        "ValueError: saved has keys compression_state() does not write: ['bogus']",
+    ]

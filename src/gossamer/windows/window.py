@@ -22,7 +22,7 @@ destination adds :math:`D(\cdot)` into its slot.
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -310,7 +310,17 @@ class Window:
             }
 
     def load_compression_state(self, saved: Mapping[str, Mapping]) -> None:
-        """Restore :meth:`compression_state`'s output (on every rank, before communicating)."""
+        """Restore :meth:`compression_state`'s output (on every rank, before communicating).
+
+        Raises:
+            TypeError: ``saved`` is not a mapping.
+            ValueError: it has keys :meth:`compression_state` does not write.
+        """
+        if not isinstance(saved, Mapping):
+            raise TypeError(f"saved must be a compression_state() mapping; got {saved!r}")
+        unknown = sorted(map(str, set(saved) - {"sent", "replicas", "residuals", "steps"}))
+        if unknown:
+            raise ValueError(f"saved has keys compression_state() does not write: {unknown}")
         state = self._require()
         with state.lock:
             state.sent = {int(d): t.clone() for d, t in saved.get("sent", {}).items()}
@@ -617,6 +627,8 @@ class Window:
         """
         me, n = context.rank(), context.size()
         check_flag(for_self, "for_self", "Window.mutex")
+        if ranks is not None and (isinstance(ranks, str) or not isinstance(ranks, Iterable)):
+            raise TypeError(f"Window.mutex: ranks must be a list of ranks; got {ranks!r}")
         chosen = (
             list(self.out_neighbors)
             if ranks is None
@@ -624,6 +636,8 @@ class Window:
         )
         if me in chosen:
             raise ValueError(f"Window.mutex: ranks must not contain this rank ({me})")
+        if len(set(chosen)) < len(chosen):  # a second take of one mutex waits for itself
+            raise ValueError(f"Window.mutex: ranks must not repeat a rank; got {ranks!r}")
         state, svc = self._require(), registry().service
         return local_locks(svc, state, chosen) if for_self else remote_locks(svc, state, chosen)
 
