@@ -12,6 +12,7 @@ import atexit
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gossamer import env, profiling
-from gossamer.errors import NotInitializedError
+from gossamer.errors import CommunicationTimeout, NotInitializedError, RankLostError
 
 __all__ = [
     "Layout",
@@ -166,6 +167,7 @@ _inits = 0  # process groups this process started: a re-init's keys must not mee
 # Rendezvous stores by (address, port, hosting): kept across re-inits, because a peer that
 # re-inits first would otherwise reach the closing store of the last init, or none at all.
 _stores: dict[tuple[str, int, bool], dist.Store] = {}
+_JOINED = "gossamer/joined"  # ranks that reached init: a count, and one key per rank
 _shutdown_hooks: list[Callable[[], None]] = []
 _init_hooks: list[Callable[[], object]] = []
 
@@ -213,22 +215,63 @@ def _start_process_group(backend: str, timeout: float) -> tuple[dist.Store, int 
         if key not in _stores:
             args = (info.master_addr, info.master_port, info.world_size)
             _stores[key] = dist.TCPStore(*args, is_master=hosting, timeout=wait)
-        store = _stores[key]
+        store = attempt = _stores[key]
         if agent:
             # The agent's store outlives a restart of the ranks (--max-restarts): keys of an
             # earlier attempt (gloo's addresses, heartbeats, membership epochs) must not be
             # read by this one. The prefix is the one torch's env:// rendezvous uses.
-            store = dist.PrefixStore(f"/worker/attempt_{info.restart_count}", store)
+            store = attempt = dist.PrefixStore(f"/worker/attempt_{info.restart_count}", store)
         _inits += 1
         if _inits > 1:
             # Likewise a re-init after shutdown() (the agent's tombstones, written under the
-            # attempt's prefix, are then not seen: deaths are found by heartbeat alone).
+            # attempt's prefix, are then not seen by the liveness: deaths after init are
+            # found by heartbeat alone).
             store = dist.PrefixStore(f"gossamer/init_{_inits}", store)
+        if agent:
+            _wait_for_every_rank(store, attempt, info.rank, info.world_size, timeout)
         pg_store, host = dist.PrefixStore("default_pg", store), None if agent else 0
     dist.init_process_group(
         pg_backend, store=pg_store, rank=info.rank, world_size=info.world_size, timeout=wait
     )
     return store, host
+
+
+def _wait_for_every_rank(
+    store: dist.Store, attempt: dist.Store, rank: int, world_size: int, timeout: float
+) -> None:
+    """Return once every rank has reached :func:`init`; raise if one died on the way.
+
+    torch's rendezvous would wait out the whole timeout for a rank that died before its
+    ``init`` (an import error, an OOM kill at start-up) and then fail with a store error
+    naming a key. Under ``gossamer run --elastic`` the agent tombstones a rank whose process
+    ended (``env.DEAD_KEY`` under the attempt's prefix, where this reads it) and counts it
+    in ``env.DEATHS_KEY``; this rank polls that count while it waits. A job starts with
+    every rank even under ``--elastic`` (a process group cannot be made without one), so
+    the death fails this rank's ``init`` at once, naming the dead rank.
+    """
+    store.set(f"{_JOINED}/{rank}", "1")
+    store.add(_JOINED, 1)
+    deadline = time.monotonic() + timeout
+    pause = 0.01
+    while store.add(_JOINED, 0) < world_size:
+        if attempt.check([env.DEATHS_KEY]):
+            dead = [r for r in range(world_size) if attempt.check([f"{env.DEAD_KEY}{r}"])]
+            named = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {dead}"
+            raise RankLostError(
+                f"gossamer.init() on rank {rank}: {named} died before joining the job, "
+                "which cannot start without every rank (--elastic survives deaths only "
+                "once every rank has passed gossamer.init())",
+                dead,
+            )
+        if time.monotonic() >= deadline:
+            missing = [r for r in range(world_size) if not store.check([f"{_JOINED}/{r}"])]
+            raise CommunicationTimeout(
+                f"gossamer.init(): ranks {missing} did not reach gossamer.init() within "
+                f"{timeout:g} s (GOSSAMER_TIMEOUT)"
+            )
+        time.sleep(pause)
+        # Backs off so that thousands of waiting ranks do not flood the agent's store.
+        pause = min(2 * pause, 0.2)
 
 
 def _machine_key(settings: env.Settings, rank: int) -> str:
@@ -319,6 +362,10 @@ def init(
         ValueError: for an unknown backend, NCCL without CUDA, a non-positive timeout, or
             NCCL with two ranks of a machine on one GPU (more ranks than visible GPUs): the
             message names the ranks and the device.
+        RankLostError: under ``gossamer run --elastic``, when a rank died before it
+            reached ``init`` (the job cannot start without it); it names the rank.
+        CommunicationTimeout: under ``gossamer run``, when some rank did not reach
+            ``init`` within ``timeout``; it names the ranks.
 
     Example:
         >>> import gossamer

@@ -62,6 +62,7 @@ __all__ = [
     "CHECKPOINT_EVERY",
     "CHECKPOINT_RESIZE",
     "DEAD_KEY",
+    "DEATHS_KEY",
     "LaunchInfo",
     "Settings",
     "launch_info",
@@ -76,6 +77,9 @@ CHECKPOINT_RESIZE = "GOSSAMER_CHECKPOINT_RESIZE"
 # The store key (plus a global rank) under which the launcher's agent marks a rank it saw
 # die; the ranks' liveness reads it (the one contract between the two, hence here).
 DEAD_KEY = "gossamer/dead/"
+# Counts the tombstones the agent wrote (after each one): a rank waiting for every rank to
+# reach init polls this one key, instead of one tombstone per rank.
+DEATHS_KEY = "gossamer/deaths"
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 

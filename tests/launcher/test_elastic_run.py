@@ -98,12 +98,35 @@ ELASTIC_RESTART = textwrap.dedent(r"""
     gossamer.shutdown()
 """)
 
+# Rank 1 ends before it imports gossamer (an import error, an OOM kill at start-up); the
+# others report how their gossamer.init() ended.
+EARLY_DEATH = textwrap.dedent(r"""
+    import os, signal, sys
+    if os.environ["RANK"] == "1":
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(3)
+    import gossamer
+    try:
+        gossamer.init()
+    except Exception as err:
+        os.write(1, f"rank {os.environ['RANK']}: {type(err).__name__} "
+                    f"{getattr(err, 'ranks', None)} {err}\n".encode())
+        sys.exit(1)
+    os.write(1, f"rank {gossamer.rank()} joined\n".encode())
+""")
 
-def _gossamer(args, cwd, script, timeout=600):
+
+def _gossamer(args, cwd, script, timeout=600, env=None):
     (cwd / "job.py").write_text(script)
     cmd = [sys.executable, "-m", "gossamer.launcher", "run", *args]
     return subprocess.run(
-        cmd, capture_output=True, text=True, env=dict(os.environ), timeout=timeout, cwd=cwd
+        cmd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -117,6 +140,28 @@ def test_elastic_survivors_finish_and_the_launch_exits_0(tmp_path):
     ]
     assert "gossamer run: rank 0 (local rank 0" in done.stderr
     assert "was killed by signal SIGKILL; the others went on (--elastic)" in done.stderr
+
+
+@pytest.mark.parametrize(("size", "how"), [(2, "kill"), (3, "exit")])
+def test_elastic_a_rank_dead_before_init_fails_the_others_init_naming_it(tmp_path, size, how):
+    # torch's rendezvous would wait GOSSAMER_TIMEOUT for rank 1, then raise its store error;
+    # the launch must end long before (the subprocess timeout) with rank 1 named.
+    done = _gossamer(
+        ["-np", str(size), "--elastic", "job.py", how],
+        tmp_path,
+        EARLY_DEATH,
+        timeout=60,
+        env={"GOSSAMER_TIMEOUT": "120"},
+    )
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == size - 1, done.stdout + done.stderr
+    for survivor, line in zip([0, *range(2, size)], lines, strict=True):
+        assert line.startswith(f"rank {survivor}: RankLostError [1] "), line
+        assert "rank 1 died before joining the job" in line, line
+    code, what = (137, "was killed by signal SIGKILL") if how == "kill" else (3, "exit code 3")
+    assert done.returncode == code, done.stdout + done.stderr
+    assert "gossamer run: rank 1 (local rank 1, pid " in done.stderr
+    assert what in done.stderr
 
 
 @pytest.mark.timeout(600)  # two launches, one with a restart: over 300 s on a loaded machine

@@ -108,7 +108,9 @@ class SurvivingAgent(LocalElasticAgent):
         """Write ``rank``'s tombstone where its peers' liveness reads it (the agent's store).
 
         The peers then confirm the death at once instead of waiting for its heartbeat to go
-        stale. Best effort: without it they still find the death by the heartbeat.
+        stale, and a peer still in ``gossamer.init()`` stops waiting for a rank that died
+        before it got there. Best effort: without it they still find a death after init by
+        the heartbeat (one before init then costs them ``GOSSAMER_TIMEOUT``).
         """
         spec = worker_group.spec
         if not spec.rdzv_handler.use_agent_store:
@@ -122,7 +124,9 @@ class SurvivingAgent(LocalElasticAgent):
             )
             # The prefix the ranks of this attempt use (gossamer.context, as torch's env://).
             attempt = spec.max_restarts - self._remaining_restarts
-            dist.PrefixStore(f"/worker/attempt_{attempt}", store).set(f"{env.DEAD_KEY}{rank}", "1")
+            ranks = dist.PrefixStore(f"/worker/attempt_{attempt}", store)
+            ranks.set(f"{env.DEAD_KEY}{rank}", "1")
+            ranks.add(env.DEATHS_KEY, 1)
         except Exception:
             logger.warning("could not mark rank %d dead in the store", rank, exc_info=True)
 
