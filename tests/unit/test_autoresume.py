@@ -53,6 +53,21 @@ def test_an_incomplete_newest_checkpoint_is_skipped(tmp_path):
     assert auto.steps == 2 and auto.resumed_from == tmp_path / "step00000002"
 
 
+def test_pruning_deletes_the_files_of_ranks_a_larger_job_had(tmp_path):
+    # A job of 4 ranks saved steps 2 and 4 (one save killed mid-write), then resumed on
+    # fewer ranks: pruning must leave nothing of the old checkpoints, whoever wrote it.
+    for step in (2, 4):
+        old = tmp_path / f"step{step:08d}"
+        old.mkdir()
+        for rank in range(4):
+            (old / f"rank{rank}.pt").write_bytes(b"x")
+        (old / ".rank3.pt.4242.tmp").write_bytes(b"x")
+    model, opt = _job()
+    auto = AutoResume(model, opt, directory=tmp_path, every=2, keep=1)
+    _train(auto, model, opt, 8)  # resumes nothing (no manifest), saves 2, 4, 6, 8
+    assert [p.name for p in tmp_path.iterdir()] == ["step00000008"]
+
+
 def test_the_launcher_variables_are_the_default(tmp_path, monkeypatch):
     monkeypatch.setenv("GOSSAMER_CHECKPOINT_DIR", str(tmp_path / "ck"))
     monkeypatch.setenv("GOSSAMER_CHECKPOINT_EVERY", "2")

@@ -34,6 +34,8 @@ from gossamer.transport import live_ranks
 __all__ = ["AutoResume"]
 
 _NAME = re.compile(r"step(\d+)")
+# A rank's file, or the temporary file of a save that was killed (checkpoint._files).
+_RANK_FILE = re.compile(r"\.?rank(\d+)\.pt(?:\.\d+\.tmp)?")
 
 
 class AutoResume:
@@ -151,21 +153,26 @@ class AutoResume:
         """Delete this rank's files of all but the ``keep`` newest checkpoints.
 
         The lowest live rank also deletes the manifest first (from then on the directory
-        is no checkpoint at all) and the files of dead ranks, which cannot.
+        is no checkpoint at all) and every file no live rank owns: those of dead ranks, of
+        ranks a larger job had before it resumed on fewer, and temporary files a killed
+        save left.
         """
         assert self.directory is not None
         old = sorted(_checkpoints(self.directory, complete=False))[: -self.keep]
-        rank, size, live = _live()
+        rank, _, live = _live()
         lowest = rank == live[0]
-        owners = [rank, *(r for r in range(size) if lowest and r not in live)]
         for step in old:
             path = self.directory / f"step{step:08d}"
             if path == newest:
                 continue
             if lowest:
                 (path / MANIFEST).unlink(missing_ok=True)
-            for owner in owners:
-                (path / f"rank{owner}.pt").unlink(missing_ok=True)
+            for entry in list(path.iterdir()) if path.is_dir() else []:
+                owner = _RANK_FILE.fullmatch(entry.name)
+                if owner is None:
+                    continue
+                if int(owner.group(1)) == rank or (lowest and int(owner.group(1)) not in live):
+                    entry.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 path.rmdir()  # the last rank to delete its file removes the directory
 
