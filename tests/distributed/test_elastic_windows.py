@@ -9,6 +9,7 @@ checkpoint and free their windows among themselves. Push-sum must not create mas
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -38,6 +39,9 @@ def _optimizer(kind, model, elastic):
     if kind == "window_put_one_peer":
         schedule = one_peer_exponential(exponential_two(WORLD), gossamer.rank())
         return WindowPut(sgd, model, schedule=schedule, elastic=elastic)
+    if kind.endswith("directed_ring"):  # i -> i + 1: a death leaves a chain
+        cls = PushSum if kind.startswith("push_sum") else WindowPut
+        return cls(sgd, model, topology=ring(WORLD, style="right"), elastic=elastic)
     compression = "uint8" if kind == "window_put_uint8" else None
     return WindowPut(sgd, model, topology=ring(WORLD), compression=compression, elastic=elastic)
 
@@ -85,6 +89,8 @@ def _average(kind, elastic, root=None):
         opt.free()  # collective over the live ranks
     except gossamer.RankLostError as err:
         return {"error": str(err), "ranks": err.ranks}
+    except gossamer.TopologyError as err:
+        return {"topology_error": str(err)}
     return {"z": z, "p": p, "live": live, "steps": step}
 
 
@@ -118,6 +124,14 @@ def test_window_optimizers_without_elastic_raise_naming_the_dead_rank(kind):
     results = run_distributed(_average, WORLD, args=(kind, False), dies=[VICTIM], timeout=120)
     for r in (0, 1, 3):
         assert results[r]["ranks"] == [VICTIM], results[r]
+
+
+@pytest.mark.parametrize("kind", ["push_sum_directed_ring", "window_put_directed_ring"])
+def test_elastic_window_optimizers_refuse_survivors_a_death_disconnected(kind):
+    # Push-sum used to go on, each survivor settling on its own value, without an error.
+    results = run_distributed(_average, WORLD, args=(kind, True), dies=[VICTIM], timeout=120)
+    for r in (0, 1, 3):
+        assert re.search("not (strongly )?connected", results[r].get("topology_error", ""))
 
 
 def test_elastic_must_be_a_bool():

@@ -27,6 +27,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from gossamer import context
@@ -34,8 +35,9 @@ from gossamer.communicators.base import Deferred, Pending, check_topology
 from gossamer.communicators.choco import contraction_quality, default_gamma
 from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, get_compressor
+from gossamer.errors import TopologyError
 from gossamer.fusion import Bucket
-from gossamer.topology import Step, Topology
+from gossamer.topology import Step, Topology, connected_components
 from gossamer.transport import Handle, known_dead
 from gossamer.windows import Window
 
@@ -374,10 +376,14 @@ class PushSumGossip(_WindowGossip):
     push_sum = True
     #: below this push-sum weight a rank keeps its mass for the round (it starts at 1)
     min_weight = 1e-6
+    _connected_without: frozenset[int] = frozenset()  # the dead set last found harmless
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
         """Push the shares (returns at once); ``wait()`` collects and returns :math:`z`."""
         window = self.windows[index]
+        if self.dead and self.dead != self._connected_without:
+            _check_strongly_connected(window.topology, self.dead)
+            self._connected_without = self.dead
         x = window.tensor
         torch.mul(flat, window.p, out=x)
         pushed = None
@@ -413,3 +419,21 @@ class PushSumGossip(_WindowGossip):
         for window, x in zip(self.windows, self._per_window(state, "x"), strict=True):
             if x is not None:
                 window.tensor.copy_(x)
+
+
+def _check_strongly_connected(graph: Topology, dead: frozenset[int]) -> None:
+    """Raise TopologyError when the live ranks of ``graph`` are not strongly connected.
+
+    Push-sum conserves mass, so it reaches the survivors' average only where every live
+    rank's mass can reach every other; on separate components it settles on one average
+    per component and never says so. (Win-put finds this in ``Topology.without``.)
+    """
+    alive = [r for r in range(graph.size) if r not in dead]
+    adjacency = graph.adjacency[np.ix_(alive, alive)]
+    parts = connected_components(adjacency)
+    if len(parts) > 1:
+        named = [[alive[i] for i in part] for part in parts]
+        raise TopologyError(
+            f"push-sum: the survivors of {graph!r} without ranks {sorted(dead)} are not "
+            f"strongly connected; components: {named}"
+        )
