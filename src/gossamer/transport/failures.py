@@ -45,28 +45,31 @@ def is_backend_error(err: BaseException) -> bool:
     )
 
 
-def _find_lost(live: Liveness, patient: bool) -> set[int]:
-    """Lost ranks; when ``patient``, read the heartbeats long enough to see a death."""
+def _find_lost(live: Liveness, patient: bool, peer: int | None = None) -> set[int]:
+    """Lost ranks; when ``patient``, read the heartbeats long enough to see a death.
+
+    With ``peer``, wait for that rank to show lost, not for any: after a first death the
+    lost set is never empty, and a later death must still be waited for.
+    """
     deadline = time.monotonic() + (live.dead_after + 2 * BEAT_S if patient else 0.0)
     while True:
         lost = live.check()
-        if lost or time.monotonic() >= deadline:
+        if (lost if peer is None else peer in lost) or time.monotonic() >= deadline:
             return lost
         time.sleep(_POLL_S)
 
 
-def find_lost(patient: bool = True) -> set[int]:
-    """The ranks the heartbeats show lost (none without peers).
+def find_lost(patient: bool = True, peer: int | None = None) -> set[int]:
+    """The ranks the heartbeats show lost (none without peers), read now.
 
-    ``patient``: when none is known lost yet, read the heartbeats for as long as a death
-    takes to show (``GOSSAMER_DEAD_AFTER`` and two beats).
+    ``patient``: when none is known lost yet (with ``peer``: when ``peer`` is not), read
+    the heartbeats for as long as a death takes to show (``GOSSAMER_DEAD_AFTER`` and two
+    beats).
     """
     live = get_liveness()
     if live is None:
         return set()
-    if live.lost:
-        return set(live.lost)
-    return _find_lost(live, patient)
+    return _find_lost(live, patient, peer)
 
 
 def translate(op: str, peer: int, err: BaseException, live: Liveness | None) -> Exception:
@@ -75,7 +78,7 @@ def translate(op: str, peer: int, err: BaseException, live: Liveness | None) -> 
     timed_out = "Timed out" in text or "timeout" in text.lower()
     broken = any(k in text for k in _CONNECTION)
     if live is not None and (timed_out or broken):
-        lost = _find_lost(live, patient=broken and not timed_out)
+        lost = _find_lost(live, broken and not timed_out, peer if peer >= 0 else None)
         if lost:
             return lost_error(op, lost)
     who = "a peer" if peer < 0 else f"rank {peer}"

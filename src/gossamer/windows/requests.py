@@ -103,7 +103,7 @@ def _lost_peer(peer: int, error: BaseException) -> bool:
     if isinstance(error, RankLostError):
         lost = set(error.ranks)
     elif isinstance(error, PeerError | CommunicationTimeout):
-        lost = find_lost()
+        lost = find_lost(peer=peer)
     else:
         return False
     if peer not in lost:

@@ -367,7 +367,7 @@ class Service:
             except Exception as err:
                 if self._aborted:  # abort() ended the receive
                     return
-                if src in find_lost():
+                if src in find_lost(peer=src):
                     self._peer_died(src)
                 else:  # a live peer spoke nonsense, or the group broke: fail every waiter
                     self._fail(err)
