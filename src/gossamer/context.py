@@ -167,6 +167,7 @@ _inits = 0  # process groups this process started: a re-init's keys must not mee
 # Rendezvous stores by (address, port, hosting): kept across re-inits, because a peer that
 # re-inits first would otherwise reach the closing store of the last init, or none at all.
 _stores: dict[tuple[str, int, bool], dist.Store] = {}
+_USER_INITS = "gossamer/inits"  # inits on a store the user passed (their generations)
 _JOINED = "gossamer/joined"  # ranks that reached init: a count, and one key per rank
 _shutdown_hooks: list[Callable[[], None]] = []
 _init_hooks: list[Callable[[], object]] = []
@@ -274,6 +275,19 @@ def _wait_for_every_rank(
         pause = min(2 * pause, 0.2)
 
 
+def _keys_of_this_init(store: dist.Store) -> dist.Store:
+    """``store`` under a prefix of this init's own, for a store the user passed to init.
+
+    A runtime after ``shutdown()`` on the same store must not read the last one's keys
+    (heartbeats, membership epochs, checkpoint manifests' votes). Every rank counts its
+    init in the store: no rank can finish init ``k`` (its layout allgather needs every
+    rank) before every rank has counted it, so init ``k`` holds the counts
+    ``(k n, (k + 1) n]`` on every rank, and they agree on ``k`` without talking.
+    """
+    generation = (store.add(_USER_INITS, 1) - 1) // dist.get_world_size()
+    return store if generation == 0 else dist.PrefixStore(f"gossamer/init_{generation}", store)
+
+
 def _machine_key(settings: env.Settings, rank: int) -> str:
     if settings.nodes_per_machine is not None:
         return f"fake:{rank // settings.nodes_per_machine}"
@@ -356,7 +370,9 @@ def init(
         store (torch.distributed.Store, optional): the rendezvous store of a process group
             started before ``init`` (the one given to ``init_process_group``). gossamer
             keeps a heartbeat per rank there, so that errors after a rank's death name it;
-            without it they cannot. Ignored when gossamer starts the process group itself.
+            without it they cannot. Each ``init`` on one store keeps keys of its own, so a
+            runtime after :func:`shutdown` never reads the last one's. Ignored when
+            gossamer starts the process group itself.
 
     Raises:
         ValueError: for an unknown backend, NCCL without CUDA, a non-positive timeout, or
@@ -396,6 +412,8 @@ def init(
         store, store_host = _start_process_group(resolved, timeout)
     else:
         resolved = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+        if store is not None:
+            store = _keys_of_this_init(store)
     # Window traffic and small host-side messages always go over gloo.
     host = (
         dist.group.WORLD

@@ -155,3 +155,28 @@ def test_a_rank_that_fails_an_elastic_save_fails_it_everywhere(tmp_path):
             "checkpoint save failed on rank(s) [1]; see their errors",
         )
     assert not (tmp_path / checkpoint.MANIFEST).exists()
+
+
+def _elastic_save(path):
+    model = _net()
+    opt = optim.AdaptWithCombine(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        topology=topology.ring(gossamer.size()),
+        elastic=True,
+    )
+    checkpoint.save(path, model, opt)
+    return sorted(os.listdir(path))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_elastic_save_after_a_re_init_on_the_same_user_store_writes_its_manifest(
+    tmp_path, world_size
+):
+    # The harness passes its store to init and re-inits when a call's variables change: the
+    # second runtime's save met the first one's keys there and wrote no manifest.
+    for run in range(2):
+        path = str(tmp_path / f"run{run}")
+        env = {"GOSSAMER_TEST_RUN": str(run)}  # read by nothing: forces a re-init
+        listed = run_distributed(_elastic_save, world_size, args=(path,), env=env)[0]
+        assert checkpoint.MANIFEST in listed, (run, listed)
