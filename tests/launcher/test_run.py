@@ -56,6 +56,34 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
     assert "rank 0" in done.stderr and "SIGKILL" in done.stderr
 
 
+RAISE_WITH_WINDOWS = textwrap.dedent(r"""
+    import torch, gossamer
+    from gossamer import optim
+    gossamer.init()
+    model = torch.nn.Linear(4, 2)
+    opt = optim.WindowPut(torch.optim.SGD(model.parameters(), lr=0.01), model)
+    for step in range(2000):
+        if step == 5 and gossamer.rank() == 1:
+            raise ValueError("a user's bug on rank 1")
+        opt.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        gossamer.allreduce(torch.ones(1))
+""")
+
+
+def test_a_rank_that_raises_with_a_window_optimizer_alive_exits_without_waiting(tmp_path):
+    # Its window service kept answering its peers' puts after the STOP it sent at exit,
+    # and its exit waited for those answers until GOSSAMER_TIMEOUT (5 of 6 runs here).
+    (tmp_path / "raises.py").write_text(RAISE_WITH_WINDOWS)
+    done = _gossamer(
+        ["-np", "3", "raises.py"], tmp_path, env={"GOSSAMER_TIMEOUT": "300"}, timeout=120
+    )
+    assert done.returncode == 1
+    assert "a user's bug on rank 1" in done.stderr
+    assert "rank 1 (local rank 1" in done.stderr and "failed with exit code 1" in done.stderr
+
+
 REINIT = textwrap.dedent(r"""
     import os, sys, torch, gossamer
     for i in range(int(sys.argv[1])):

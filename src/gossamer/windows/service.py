@@ -168,6 +168,7 @@ class Service:
         self._lock = threading.Lock()
         self._broken: Exception | None = None
         self._aborted = False
+        self._stopping = threading.Lock()  # orders abort()'s STOP after every reply
         self._threads = {
             peer: threading.Thread(
                 target=self._serve, args=(peer,), name=f"gossamer-windows-{peer}", daemon=True
@@ -309,12 +310,17 @@ class Service:
         head = tensors_and_tags[0]
         # Called from the progress thread and from release() on any thread. A dropped Work
         # would cancel its send, so each one stays queued until the reaper has waited for it.
-        self._sends.put((self.group.send([head], dst, _HEADER_TAG), head))
-        sent = head.nbytes
-        if len(tensors_and_tags) > 1:
-            payload, tag = tensors_and_tags[1], tensors_and_tags[2]
-            self._sends.put((self.group.send([payload], dst, tag), payload))
-            sent += payload.nbytes
+        with self._stopping:
+            if self._aborted:
+                # The peer stops reading this rank at abort()'s STOP: a send after it would
+                # keep the reaper, and this rank's exit, waiting for the group's timeout.
+                return
+            self._sends.put((self.group.send([head], dst, _HEADER_TAG), head))
+            sent = head.nbytes
+            if len(tensors_and_tags) > 1:
+                payload, tag = tensors_and_tags[1], tensors_and_tags[2]
+                self._sends.put((self.group.send([payload], dst, tag), payload))
+                sent += payload.nbytes
         count_sent(Header.decode(head).op, sent)
 
     def _reap(self) -> None:
@@ -536,16 +542,23 @@ class Service:
         do the same when they stop), and the threads for dead peers end on their broken
         connections.
         """
-        self._aborted = True
         live = get_liveness()
         lost = live.lost if live is not None else set()
         head = _header(Kind.STOP, 0, 0)
-        for peer in self._threads:
-            if peer not in lost and peer not in told:
-                try:
-                    self.group.send([head], peer, _HEADER_TAG).wait()
-                except RuntimeError:  # gone as well
-                    logger.debug("window service: no STOP to rank %d", peer, exc_info=True)
+        stops = []
+        with self._stopping:  # no reply is posted after the STOP (see _post)
+            self._aborted = True
+            for peer in self._threads:
+                if peer not in lost and peer not in told:
+                    try:
+                        stops.append((peer, self.group.send([head], peer, _HEADER_TAG)))
+                    except RuntimeError:  # gone as well
+                        logger.debug("window service: no STOP to rank %d", peer, exc_info=True)
+        for peer, work in stops:  # waited for outside the lock: a peer may be aborting too
+            try:
+                work.wait()
+            except RuntimeError:
+                logger.debug("window service: no STOP to rank %d", peer, exc_info=True)
         try:
             self.group.abort()
         except Exception:  # already broken: nothing is left to end
