@@ -168,10 +168,9 @@ class AutoResume:
             if lowest:
                 (path / MANIFEST).unlink(missing_ok=True)
             for entry in list(path.iterdir()) if path.is_dir() else []:
-                owner = _RANK_FILE.fullmatch(entry.name)
-                if owner is None:
-                    continue
-                if int(owner.group(1)) == rank or (lowest and int(owner.group(1)) not in live):
+                found = _RANK_FILE.fullmatch(entry.name)
+                owner = int(found.group(1)) if found else None
+                if owner == rank or (lowest and owner is not None and owner not in live):
                     entry.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 path.rmdir()  # the last rank to delete its file removes the directory
