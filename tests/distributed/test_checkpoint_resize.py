@@ -167,3 +167,31 @@ def test_window_slots_restart_from_the_mean(tmp_path, kind):
     for loaded, after in out:
         assert torch.equal(loaded, out[0][0])  # one mean on every rank ...
         torch.testing.assert_close(after, loaded, rtol=0, atol=1e-6)  # ... that a combine keeps
+
+
+def _auto_resume(root, total, resize):
+    torch.manual_seed(gossamer.rank())
+    model = _net()
+    opt = _awc(model, gossamer.size())
+    auto = checkpoint.AutoResume(model, opt, directory=root, every=2, keep=1, resize=resize)
+    start = auto.steps
+    for _ in range(start, total):
+        _train(model, opt, 1)
+        auto.after_step()
+    opt.close()
+    return start
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_auto_resume_on_fewer_ranks_prunes_every_file_of_the_larger_jobs_checkpoints(
+    tmp_path, size
+):
+    run_distributed(_auto_resume, 4, args=(str(tmp_path), 4, False), timeout=120)
+    # Saves of the larger job that were killed mid-write leave temporary files behind.
+    (tmp_path / "step00000004" / ".rank3.pt.4242.tmp").write_bytes(b"x")
+    (tmp_path / "step00000004" / f".{checkpoint.MANIFEST}.4242.tmp").write_bytes(b"x")
+    starts = run_distributed(_auto_resume, size, args=(str(tmp_path), 8, True), timeout=120)
+    assert starts == [4] * size
+    assert [p.name for p in tmp_path.iterdir()] == ["step00000008"]
+    kept = sorted(p.name for p in (tmp_path / "step00000008").iterdir())
+    assert kept == sorted([checkpoint.MANIFEST, *(f"rank{r}.pt" for r in range(size))])

@@ -34,8 +34,9 @@ from gossamer.transport import live_ranks
 __all__ = ["AutoResume"]
 
 _NAME = re.compile(r"step(\d+)")
-# A rank's file, or the temporary file of a save that was killed (checkpoint._files).
-_RANK_FILE = re.compile(r"\.?rank(\d+)\.pt(?:\.\d+\.tmp)?")
+# What a save writes (checkpoint._files): a rank's file or the manifest, or the temporary
+# file of one whose save was killed. The group is the rank that owns a rank file.
+_SAVED_FILE = re.compile(r"\.?(?:rank(\d+)\.pt|manifest\.json)(?:\.\d+\.tmp)?")
 
 
 class AutoResume:
@@ -154,8 +155,8 @@ class AutoResume:
 
         The lowest live rank also deletes the manifest first (from then on the directory
         is no checkpoint at all) and every file no live rank owns: those of dead ranks, of
-        ranks a larger job had before it resumed on fewer, and temporary files a killed
-        save left.
+        ranks a larger job had before it resumed on fewer, and the temporary files (of
+        rank files or of the manifest) a killed save left.
         """
         assert self.directory is not None
         old = sorted(_checkpoints(self.directory, complete=False))[: -self.keep]
@@ -168,9 +169,11 @@ class AutoResume:
             if lowest:
                 (path / MANIFEST).unlink(missing_ok=True)
             for entry in list(path.iterdir()) if path.is_dir() else []:
-                found = _RANK_FILE.fullmatch(entry.name)
-                owner = int(found.group(1)) if found else None
-                if owner == rank or (lowest and owner is not None and owner not in live):
+                found = _SAVED_FILE.fullmatch(entry.name)
+                if found is None:
+                    continue
+                owner = None if found.group(1) is None else int(found.group(1))
+                if owner == rank or (lowest and owner not in live):
                     entry.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 path.rmdir()  # the last rank to delete its file removes the directory
