@@ -275,17 +275,30 @@ def _wait_for_every_rank(
         pause = min(2 * pause, 0.2)
 
 
-def _keys_of_this_init(store: dist.Store) -> dist.Store:
+def _keys_of_this_init(store: dist.Store | None, group: dist.ProcessGroup) -> dist.Store | None:
     """``store`` under a prefix of this init's own, for a store the user passed to init.
 
     A runtime after ``shutdown()`` on the same store must not read the last one's keys
-    (heartbeats, membership epochs, checkpoint manifests' votes). Every rank counts its
-    init in the store: no rank can finish init ``k`` (its layout allgather needs every
-    rank) before every rank has counted it, so init ``k`` holds the counts
-    ``(k n, (k + 1) n]`` on every rank, and they agree on ``k`` without talking.
+    (heartbeats, membership epochs, checkpoint manifests' votes). Rank 0 alone counts the
+    inits on the store and every rank takes its count, so the ranks agree whatever jobs
+    used the store before: a count of every rank's inits split into generations only
+    while every job there had this world size (a job of 3 after one of 2 disagreed).
+
+    Raises:
+        ValueError: on every rank, when some ranks passed a store and others did not.
     """
-    generation = (store.add(_USER_INITS, 1) - 1) // dist.get_world_size()
-    return store if generation == 0 else dist.PrefixStore(f"gossamer/init_{generation}", store)
+    mine = None if store is None else store.add(_USER_INITS, 1) if dist.get_rank() == 0 else 0
+    counts: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, mine, group=group)
+    without = [r for r, count in enumerate(counts) if count is None]
+    if without and len(without) < len(counts):
+        raise ValueError(
+            f"init(store=...) must be given a store on every rank or on none; ranks "
+            f"{without} gave none"
+        )
+    if store is None or counts[0] == 1:
+        return store
+    return dist.PrefixStore(f"gossamer/init_{counts[0]}", store)
 
 
 def _machine_key(settings: env.Settings, rank: int) -> str:
@@ -370,14 +383,16 @@ def init(
         store (torch.distributed.Store, optional): the rendezvous store of a process group
             started before ``init`` (the one given to ``init_process_group``). gossamer
             keeps a heartbeat per rank there, so that errors after a rank's death name it;
-            without it they cannot. Each ``init`` on one store keeps keys of its own, so a
-            runtime after :func:`shutdown` never reads the last one's. Ignored when
-            gossamer starts the process group itself.
+            without it they cannot. Give it on every rank or on none. Each ``init`` on one
+            store keeps keys of its own (rank 0 numbers the inits there), so a runtime
+            after :func:`shutdown`, or a later job of any size on the store, never reads
+            an earlier one's. Ignored when gossamer starts the process group itself.
 
     Raises:
         ValueError: for an unknown backend, NCCL without CUDA, a non-positive timeout, or
             NCCL with two ranks of a machine on one GPU (more ranks than visible GPUs): the
-            message names the ranks and the device.
+            message names the ranks and the device. Also, on every rank, for a ``store``
+            given on some ranks only (naming those without).
         RankLostError: under ``gossamer run --elastic``, when a rank died before it
             reached ``init`` (the job cannot start without it); it names the rank.
         CommunicationTimeout: under ``gossamer run``, when some rank did not reach
@@ -412,14 +427,14 @@ def init(
         store, store_host = _start_process_group(resolved, timeout)
     else:
         resolved = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
-        if store is not None:
-            store = _keys_of_this_init(store)
     # Window traffic and small host-side messages always go over gloo.
     host = (
         dist.group.WORLD
         if resolved == "gloo"
         else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     )
+    if not owns:
+        store = _keys_of_this_init(store, host)
     found = _discover_layout(settings, host)
     if resolved == "nccl":
         dev = torch.device("cuda", found.local_rank % torch.cuda.device_count())

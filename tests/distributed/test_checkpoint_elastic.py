@@ -11,14 +11,17 @@ here in one process from the files.
 import json
 import os
 import signal
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import gossamer
 from gossamer import checkpoint, optim, topology
-from gossamer.testing import run_distributed
+from gossamer.testing import free_port, run_distributed
 
 WORLD, VICTIM = 4, 2
 SURVIVORS = [0, 1, 3]
@@ -180,3 +183,32 @@ def test_an_elastic_save_after_a_re_init_on_the_same_user_store_writes_its_manif
         env = {"GOSSAMER_TEST_RUN": str(run)}  # read by nothing: forces a re-init
         listed = run_distributed(_elastic_save, world_size, args=(path,), env=env)[0]
         assert checkpoint.MANIFEST in listed, (run, listed)
+
+
+def _elastic_save_on(port, path):
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    gossamer.shutdown()  # the harness's runtime; it inits again at the next call
+    try:
+        gossamer.init(store=store, timeout=10)
+        listed = _elastic_save(path)
+        manifest = json.loads((Path(path) / checkpoint.MANIFEST).read_text())
+        return listed, manifest["ranks"]
+    finally:
+        gossamer.shutdown()
+
+
+@pytest.mark.parametrize("sizes", [(2, 3), (3, 2)])
+def test_jobs_of_other_sizes_on_one_user_store_keep_their_keys_apart(tmp_path, sizes):
+    # A store that outlives jobs, here served by this process: the inits of a job of one
+    # size there must not make the ranks of a later job of another size disagree on keys.
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    for run, size in enumerate(sizes):
+        path = str(tmp_path / f"run{run}")
+        env = {"GOSSAMER_TEST_RUN": f"{tmp_path.name}-{run}"}  # a re-init at the next call
+        out = run_distributed(_elastic_save_on, size, args=(port, path), env=env, timeout=60)
+        assert out[0] == (
+            sorted([checkpoint.MANIFEST, *(f"rank{r}.pt" for r in range(size))]),
+            list(range(size)),
+        ), (run, out[0])
+    del server

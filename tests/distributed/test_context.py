@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.distributed as dist
 
 import gossamer
 from gossamer.testing import run_distributed
@@ -91,3 +92,29 @@ def test_nccl_check_raises_on_every_rank_that_shares_a_gpu():
     assert all("ranks [0, 1, 2] of machine 0 would share cuda:0 (GPU-a)" in e for e in shared)
     distinct = ["cuda:0 (GPU-a)", "cuda:1 (GPU-b)", "cuda:0 (GPU-c)"]
     assert run_distributed(_nccl_device_check, 3, args=(distinct,)) == [None] * 3
+
+
+def _init_with_a_store_on_rank_0_only(store_file):
+    store = dist.FileStore(store_file, 1) if gossamer.rank() == 0 else None
+    gossamer.shutdown()  # the harness's runtime; it inits again at the next call
+    try:
+        gossamer.init(store=store, timeout=10)
+    except ValueError as err:
+        return str(err)
+    finally:
+        gossamer.shutdown()
+    return None
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_store_given_on_some_ranks_only_is_refused_on_every_rank(tmp_path, world_size):
+    env = {"GOSSAMER_TEST_RUN": tmp_path.name}  # a re-init at the next call
+    store_file = str(tmp_path / "store")
+    got = run_distributed(
+        _init_with_a_store_on_rank_0_only, world_size, args=(store_file,), env=env
+    )
+    without = list(range(1, world_size))
+    want = (
+        f"init(store=...) must be given a store on every rank or on none; ranks {without} gave none"
+    )
+    assert got == [want] * world_size
