@@ -195,3 +195,15 @@ def test_auto_resume_on_fewer_ranks_prunes_every_file_of_the_larger_jobs_checkpo
     assert [p.name for p in tmp_path.iterdir()] == ["step00000008"]
     kept = sorted(p.name for p in (tmp_path / "step00000008").iterdir())
     assert kept == sorted([checkpoint.MANIFEST, *(f"rank{r}.pt" for r in range(size))])
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_auto_resume_on_more_ranks_prunes_the_smaller_jobs_checkpoints(tmp_path, size):
+    # The ranks the smaller job lacked own no file of its checkpoints: the others may remove
+    # a pruned directory while they still look into it.
+    run_distributed(_auto_resume, 2, args=(str(tmp_path), 4, False), timeout=120)
+    starts = run_distributed(_auto_resume, size, args=(str(tmp_path), 8, True), timeout=120)
+    assert starts == [4] * size
+    assert [p.name for p in tmp_path.iterdir()] == ["step00000008"]
+    kept = sorted(p.name for p in (tmp_path / "step00000008").iterdir())
+    assert kept == sorted([checkpoint.MANIFEST, *(f"rank{r}.pt" for r in range(size))])

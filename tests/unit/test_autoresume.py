@@ -2,6 +2,9 @@
 which checkpoint it resumes from, and its settings. The restart under `gossamer run` is in
 tests/launcher/test_elastic_run.py."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -66,6 +69,24 @@ def test_pruning_deletes_the_files_of_ranks_a_larger_job_had(tmp_path):
     auto = AutoResume(model, opt, directory=tmp_path, every=2, keep=1)
     _train(auto, model, opt, 8)  # resumes nothing (no manifest), saves 2, 4, 6, 8
     assert [p.name for p in tmp_path.iterdir()] == ["step00000008"]
+
+
+def test_pruning_outlives_the_directory_vanishing_as_it_is_opened(tmp_path, monkeypatch):
+    # A rank with no file of an old checkpoint (a job resumed on more ranks than saved it)
+    # can list the checkpoint, then find it removed by the ranks that pruned their files.
+    model, opt = _job()
+    auto = AutoResume(model, opt, directory=tmp_path, every=2, keep=1)
+    _train(auto, model, opt, 2)
+    gone, iterdir = tmp_path / "step00000002", Path.iterdir
+
+    def removed_first(path):
+        if path == gone:
+            shutil.rmtree(gone)
+        return iterdir(path)
+
+    monkeypatch.setattr(Path, "iterdir", removed_first)
+    _train(auto, model, opt, 4)
+    assert [p.name for p in tmp_path.iterdir()] == ["step00000004"]
 
 
 def test_the_launcher_variables_are_the_default(tmp_path, monkeypatch):

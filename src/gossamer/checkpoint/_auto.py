@@ -168,7 +168,13 @@ class AutoResume:
                 continue
             if lowest:
                 (path / MANIFEST).unlink(missing_ok=True)
-            for entry in list(path.iterdir()) if path.is_dir() else []:
+            try:
+                entries = list(path.iterdir())
+            except (FileNotFoundError, NotADirectoryError):
+                # A rank with no file there (the job resumed on more ranks than saved it)
+                # can find it gone: the ranks with files removed it as they pruned it.
+                continue
+            for entry in entries:
                 found = _SAVED_FILE.fullmatch(entry.name)
                 if found is None:
                     continue
