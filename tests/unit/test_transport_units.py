@@ -107,3 +107,14 @@ def test_a_world_of_one_has_no_heartbeat(world_of_one):
 def test_init_checks_the_store_argument():
     with pytest.raises(TypeError, match=r"store must be a torch\.distributed\.Store"):
         gossamer.init(store="file:///tmp/x")
+
+
+def test_a_window_error_is_put_down_to_the_failed_peer_s_death_only(world_of_one, monkeypatch):
+    from gossamer.windows import requests
+
+    monkeypatch.setattr(requests, "find_lost", lambda peer=None: {1})  # rank 1 died earlier
+    refused = PeerError("connection refused")
+    assert requests.named("win_put", refused, peer=2) is refused  # 2 lives: its own error
+    err = requests.named("win_put", refused, peer=1)
+    assert isinstance(err, RankLostError) and err.ranks == [1]
+    assert isinstance(requests.named("win_put", refused), RankLostError)  # peer unknown

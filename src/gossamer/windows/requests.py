@@ -29,18 +29,20 @@ from gossamer.windows.service import WindowState
 __all__ = ["issue"]
 
 
-def named(what: str, err: BaseException) -> BaseException:
+def named(what: str, err: BaseException, peer: int | None = None) -> BaseException:
     """``err``, or :class:`RankLostError` naming the dead ranks if a death explains it.
 
     A peer's death shows in a window operation as a refused connection, a failed window
-    service or a timeout; the heartbeats tell which rank died.
+    service or a timeout; the heartbeats tell which rank died. With ``peer`` (the rank whose
+    request failed), only that rank's death explains it: an earlier death, which an elastic
+    job has already dropped, does not.
     """
     if not isinstance(err, PeerError | CommunicationTimeout) or isinstance(
         err, RankLostError | PeerArgumentError
     ):
         return err
-    lost = find_lost()
-    if not lost:
+    lost = find_lost(peer=peer)
+    if not lost or (peer is not None and peer not in lost):
         return err
     found = lost_error(what, lost)
     found.__cause__ = err
@@ -85,7 +87,7 @@ def _when_all(
             if done.done():
                 return
             if error is not None:
-                _settle(done, named(what, error))
+                _settle(done, named(what, error, peer))
                 return
             left[0] -= 1
             last = left[0] == 0
