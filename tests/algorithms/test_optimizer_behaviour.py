@@ -567,12 +567,21 @@ def test_parameters_over_one_memory_stay_tied(kind, transposed):
 def _changed_after_build(kind, change):
     model = TiedAutoencoder(False)  # any small model
     model.dec.weight = nn.Parameter(model.dec.weight.detach().clone())  # untied
-    cls = {"awc": optim.AdaptWithCombine, "atc": optim.AdaptThenCombine}[kind]
+    cls = {
+        "awc": optim.AdaptWithCombine,
+        "atc": optim.AdaptThenCombine,
+        "gradient-allreduce": optim.GradientAllreduce,
+    }[kind]
     opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), model)
     x = _data(gossamer.rank())[0]
     if change == "dtype":
         model.double()
         x = x.double()
+    elif change == "replaced":
+        model.dec.weight = nn.Parameter(model.dec.weight.detach().clone())
+    elif change == "assign":
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(state, assign=True)
     else:
         opt.optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
     before = [p.detach().clone() for p in model.parameters()]
@@ -588,12 +597,19 @@ def _changed_after_build(kind, change):
     return message, unchanged
 
 
-@pytest.mark.parametrize("kind", ["awc", "atc"])
-@pytest.mark.parametrize("change", ["dtype", "param-group"])
+_REFUSAL = {
+    "dtype": "changed dtype",
+    "param-group": "add_param_group",
+    "replaced": "parameters ['dec.weight'] of the model are not the ones",
+    "assign": "of the model are not the ones",
+}
+
+
+@pytest.mark.parametrize("kind", ["awc", "atc", "gradient-allreduce"])
+@pytest.mark.parametrize("change", list(_REFUSAL))
 def test_a_model_changed_after_build_is_refused_before_anything_steps(kind, change):
     for message, unchanged in run_distributed(_changed_after_build, 2, args=(kind, change)):
-        words = "changed dtype" if change == "dtype" else "add_param_group"
-        assert message is not None and words in message, message
+        assert message is not None and _REFUSAL[change] in message, message
         if change == "dtype":
             assert "enc.weight (torch.float32 -> torch.float64)" in message
         assert unchanged  # refused before a local step moved anything

@@ -128,6 +128,15 @@ class DecentralizedOptimizer:
                 f"the optimizer has parameters that are not in the model (shapes {strangers})"
             )
         self.param_names = {p: names[p] for p in params}
+        # Where the model holds each parameter: a module attribute given a new Parameter
+        # after building would no longer be stepped or averaged (see _check_usable).
+        self._slots = [
+            (module._parameters, key, p, names[p])
+            for m in self.models
+            for module in m.modules()
+            for key, p in module._parameters.items()
+            if p in self.param_names
+        ]
         # Reverse registration order approximates the order gradients become ready.
         self.params = list(reversed(params))
         self.buckets: list[Bucket] = bucketize(self.params, fusion_threshold_bytes)
@@ -295,6 +304,15 @@ class DecentralizedOptimizer:
                 f"parameters {thawed} had requires_grad=False when {type(self).__name__} was "
                 "built, so it neither steps nor averages them: build the optimizer after "
                 "unfreezing them (close() this one first)"
+            )
+        replaced = [name for slots, key, p, name in self._slots if slots.get(key) is not p]
+        if replaced:
+            raise RuntimeError(
+                f"parameters {replaced} of the model are not the ones "
+                f"{type(self).__name__} was built over (a new nn.Parameter or module "
+                "assigned, or load_state_dict(assign=True), after building?), so it "
+                "would neither step nor average them: build the optimizer after replacing "
+                "them (close() this one first)"
             )
         changed = [
             f"{self.param_names.get(p, '?')} ({b.flat.dtype} -> {p.dtype})"
