@@ -613,3 +613,71 @@ def test_a_model_changed_after_build_is_refused_before_anything_steps(kind, chan
         if change == "dtype":
             assert "enc.weight (torch.float32 -> torch.float64)" in message
         assert unchanged  # refused before a local step moved anything
+
+
+def _scheduled(kind, on_wrapper):
+    import gossamer.bluefog as bf
+
+    model = Awkward()
+    sgd = _awkward_sgd(model)
+    opt = {
+        "awc": lambda: optim.AdaptWithCombine(sgd, model),
+        "atc": lambda: optim.AdaptThenCombine(sgd, model),
+        "bluefog-awc": lambda: bf.DistributedAdaptWithCombineOptimizer(sgd, model=model),
+    }[kind]()
+    target = opt if on_wrapper else sgd
+    step_lr = torch.optim.lr_scheduler.StepLR(target, step_size=2, gamma=0.5)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(target, patience=0, factor=0.1)
+    x, y = _data(gossamer.rank())
+    lrs = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        step_lr.step()
+        plateau.step(1.0)  # never improves after the first step
+        lrs.append([g["lr"] for g in opt.param_groups])
+    opt.close()
+    return lrs, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kind", ["awc", "atc", "bluefog-awc"])
+def test_learning_rate_schedulers_take_the_decentralized_optimizer(kind, world_size):
+    """A scheduler given the gossamer optimizer acts as one given the torch optimizer inside."""
+    wrapped = run_distributed(_scheduled, world_size, args=(kind, True))
+    inner = run_distributed(_scheduled, world_size, args=(kind, False))
+    for (lrs, params), (lrs_inner, params_inner) in zip(wrapped, inner, strict=True):
+        # StepLR halves every 2 steps; the plateau scheduler cuts 10x from the second step.
+        expected = [0.5 ** ((k + 1) // 2) * 0.1**k for k in range(6)]
+        for got, want in zip(lrs, expected, strict=True):
+            assert got == pytest.approx([0.1 * want, 0.05 * want])
+        assert lrs == lrs_inner
+        assert all(torch.equal(p, q) for p, q in zip(params, params_inner, strict=True))
+
+
+def _wrapped_twice():
+    model = nn.Linear(2, 1)
+    inner = optim.AdaptWithCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    errors = []
+    for build in (
+        lambda: optim.AdaptWithCombine(inner, model),
+        lambda: optim.CoCoFL(inner, model),
+        lambda: inner.add_param_group({"params": [nn.Parameter(torch.zeros(1))]}),
+        lambda: inner.register_step_post_hook(lambda *a: None),
+    ):
+        try:
+            build()
+        except (TypeError, RuntimeError) as err:
+            errors.append(str(err))
+    inner.close()
+    return errors
+
+
+def test_a_decentralized_optimizer_is_not_wrapped_again_nor_given_groups():
+    for errors in run_distributed(_wrapped_twice, 2):
+        assert len(errors) == 4
+        assert "not a gossamer one" in errors[0] and "not a gossamer one" in errors[1]
+        assert "cannot take a parameter group" in errors[2]
+        assert "takes no optimizer hooks" in errors[3]

@@ -164,7 +164,8 @@ def test_a_bad_facade_argument_on_one_rank_raises_on_every_rank(world_size):
     # the messages name the argument, on the rank that passed it and on its peers
     assert got[0][0][1][1] == (
         "with_bagua: barrier: rank 1 rejected its arguments: TypeError: optimizers must be a "
-        "list of torch.optim.Optimizer; got ['sgd']"
+        "list of torch.optim.Optimizer (not gossamer ones, which communicate themselves); "
+        "got ['sgd']"
     )
     assert got[0][4][1][1] == (
         "DistributedDataParallel: barrier: rank 1 rejected its arguments: ValueError: "

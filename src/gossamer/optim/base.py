@@ -49,8 +49,12 @@ def _models(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return models
 
 
-class DecentralizedOptimizer:
+class DecentralizedOptimizer(torch.optim.Optimizer):
     """Common machinery: parameters, buckets, the communicator, counters, state.
+
+    It is a ``torch.optim.Optimizer`` to the code that checks (learning-rate schedulers
+    refuse anything else), without being one itself: ``param_groups``, ``state`` and
+    ``defaults`` are the wrapped optimizer's, and its update is the wrapped ``step()``.
 
     Args:
         optimizer (torch.optim.Optimizer): the optimizer whose ``step()`` does the update.
@@ -92,8 +96,12 @@ class DecentralizedOptimizer:
         num_steps_per_communication: int = 1,
         fusion_threshold_bytes: int | None = DEFAULT_FUSION_BYTES,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {optimizer!r}")
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
+            optimizer, DecentralizedOptimizer
+        ):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer (not a gossamer one); got {optimizer!r}"
+            )
         if (
             isinstance(num_steps_per_communication, bool)
             or not isinstance(num_steps_per_communication, int)
@@ -196,9 +204,33 @@ class DecentralizedOptimizer:
         """The wrapped optimizer's per-parameter state."""
         return self.optimizer.state
 
+    @property
+    def defaults(self) -> dict:
+        """The wrapped optimizer's default hyper-parameters."""
+        return self.optimizer.defaults
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients (as ``torch.optim.Optimizer.zero_grad``)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused: the buckets and the communication are fixed when the optimizer is built."""
+        raise RuntimeError(
+            f"{type(self).__name__} cannot take a parameter group after it was built; build "
+            "the torch optimizer with every group, then this one over it"
+        )
+
+    def _hook_refused(self, *args: object, **kwargs: object) -> None:
+        """Refused: an update here is several ``step()`` calls of the wrapped optimizer."""
+        raise RuntimeError(
+            f"{type(self).__name__} takes no optimizer hooks; register them on the torch "
+            "optimizer it wraps (.optimizer), knowing that ATC-style optimizers step it "
+            "once per bucket"
+        )
+
+    register_step_pre_hook = register_step_post_hook = _hook_refused
+    register_state_dict_pre_hook = register_state_dict_post_hook = _hook_refused
+    register_load_state_dict_pre_hook = register_load_state_dict_post_hook = _hook_refused
 
     @property
     def step_in_progress(self) -> bool:

@@ -54,6 +54,7 @@ from torch.ao.nn.quantized import dynamic as qdynamic
 from torch.ao.quantization import default_dynamic_qconfig
 
 from gossamer import context, ops
+from gossamer.optim.base import DecentralizedOptimizer
 from gossamer.topology import Topology
 
 __all__ = ["CoCoFL", "quantize_frozen"]
@@ -115,8 +116,12 @@ class CoCoFL:
         num_steps_per_communication: int = 1,
         masked: bool | None = None,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {optimizer!r}")
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
+            optimizer, DecentralizedOptimizer
+        ):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer (not a gossamer one); got {optimizer!r}"
+            )
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module; got {model!r}")
         if (

@@ -26,6 +26,7 @@ from gossamer.bagua._state import state
 from gossamer.bagua.bucket import BaguaBucket
 from gossamer.bagua.communication import broadcast, broadcast_object
 from gossamer.errors import PeerArgumentError
+from gossamer.optim import DecentralizedOptimizer
 
 __all__ = ["BaguaDistributedDataParallel"]
 
@@ -82,9 +83,13 @@ def _check_optimizers(optimizers: object) -> list[torch.optim.Optimizer]:
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = [optimizers]
     if not isinstance(optimizers, list | tuple) or not all(
-        isinstance(o, torch.optim.Optimizer) for o in optimizers
+        isinstance(o, torch.optim.Optimizer) and not isinstance(o, DecentralizedOptimizer)
+        for o in optimizers
     ):
-        raise TypeError(f"optimizers must be a list of torch.optim.Optimizer; got {optimizers!r}")
+        raise TypeError(
+            "optimizers must be a list of torch.optim.Optimizer (not gossamer ones, which "
+            f"communicate themselves); got {optimizers!r}"
+        )
     return list(optimizers)
 
 
