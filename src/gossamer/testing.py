@@ -20,6 +20,7 @@ import pickle
 import random
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -63,6 +64,11 @@ def _worker(rank: int, world_size: int, store: str, conn: Connection, pg_timeout
 
     # Ranks share two cores: one thread each keeps them from starving one another.
     torch.set_num_threads(1)
+    # Forks of one server share its generators' state: each rank draws its own numbers, as
+    # separately started processes do.
+    torch.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     try:
         # The same store goes to gossamer, which keeps each rank's heartbeat there.
         file_store = dist.FileStore(store, world_size)

@@ -135,3 +135,20 @@ def test_free_port_is_free_and_below_the_ephemeral_range():
     port = found.pop()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))  # raises if the port was taken
+
+
+def _unseeded_draws():
+    import numpy as np
+
+    return torch.rand(2).tolist(), np.random.rand(2).tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fresh_ranks_draw_their_own_random_numbers(world_size):
+    pool = RankPool(world_size)  # fresh processes, not ones earlier tests seeded
+    try:
+        draws = pool.run(_unseeded_draws, (), {}, {}, 60)
+    finally:
+        pool.close()
+    for which in range(2):
+        assert len({tuple(d[which]) for d in draws}) == world_size

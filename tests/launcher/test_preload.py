@@ -26,6 +26,7 @@ PROBE = textwrap.dedent(r"""
         "threads": torch.get_num_threads(),
         "affinity": sorted(os.sched_getaffinity(0)),
         "draw": numpy.random.rand(),
+        "torch_draw": torch.rand(1).item(),
         "unbuffered": sys.stdout.write_through,
         "fds": sorted(os.listdir("/proc/self/fd")),
     }
@@ -54,8 +55,9 @@ def test_a_forked_rank_sees_what_a_fresh_interpreter_would(tmp_path):
     assert [r.pop("preloaded") for r in ours] == [True, True]
     assert [r.pop("preloaded") for r in theirs] == [False, False]
     # Unseeded generators differ between ranks (and runs), as in fresh processes.
-    assert ours[0].pop("draw") != ours[1].pop("draw")
-    assert theirs[0].pop("draw") != theirs[1].pop("draw")
+    for key in ("draw", "torch_draw"):
+        assert ours[0].pop(key) != ours[1].pop(key)
+        assert theirs[0].pop(key) != theirs[1].pop(key)
     assert ours == theirs
     assert ours[0]["name"] == "__main__" and ours[0]["threads"] == 1 and ours[0]["unbuffered"]
     assert ours[0]["mine"] == "given" and ours[0]["argv"] == ["probe.py", "0"]

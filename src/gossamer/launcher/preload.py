@@ -301,6 +301,9 @@ def _fresh_state(env: dict[str, str]) -> None:
     threads = env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
+    # Every rank is a fork of one process: without a new seed each would draw the same
+    # numbers, where separately started ranks (``--no-preload``, torchrun) do not.
+    torch.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
 
