@@ -125,7 +125,11 @@ def exact_diffusion(problem, x, lr, iters, record, graph):
 
 
 def gradient_tracking(problem, x, lr, iters, record, graph):
-    """DIGing: ``y_i`` tracks the mean gradient; both averages travel at the same time."""
+    """DIGing: ``y_i`` tracks the mean gradient; both averages travel at the same time.
+
+    It mixes with ``W' = (I + W) / 2``, whose eigenvalues lie in [0, 1]: with ``W`` itself
+    (eigenvalue -1/3 on the ring and the mesh) the default step diverges.
+    """
     y = problem.grad(x)  # y^0 = grad f_i(x^0), so mean_i y_i = grad F at every step
     g_prev = y
     for _ in range(iters):
@@ -133,9 +137,9 @@ def gradient_tracking(problem, x, lr, iters, record, graph):
         # The two neighbour averages are independent: start both, then wait.
         wx = gossamer.neighbor_allreduce(x, topology=graph, async_op=True)
         wy = gossamer.neighbor_allreduce(y, topology=graph, async_op=True)
-        x = wx.wait() - lr * y  # x^{k+1} = W x^k - lr y^k
+        x = (x + wx.wait()) / 2 - lr * y  # x^{k+1} = W' x^k - lr y^k
         g = problem.grad(x)
-        y = wy.wait() + g - g_prev  # y^{k+1} = W y^k + grad f_i(x^{k+1}) - grad f_i(x^k)
+        y = (y + wy.wait()) / 2 + g - g_prev  # y^{k+1} = W' y^k + grad f_i(x^{k+1}) - grad f_i(x^k)
         g_prev = g
     record(x)
 

@@ -22,7 +22,7 @@ with its neighbours:
 
 ``--compression uint8`` (or ``topk:0.01``, ``qsgd:16``, ...) compresses what travels:
 CHOCO-gossip for ``atc`` and ``awc``, a compressed allreduce with error feedback for
-``gradient_allreduce``, compressed puts for the window optimizers.
+``gradient_allreduce``, compressed puts for ``win_put`` (``push_sum`` takes none).
 
 ``--topology exponential`` averages with all in-neighbours of the exponential-two graph
 each step; ``one_peer`` with a single peer per step (the one-peer exponential schedule).
@@ -189,6 +189,11 @@ def main() -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the PNG")
     args = parser.parse_args()
+    if args.optimizer == "push_sum" and args.compression not in (None, "none"):
+        parser.error(
+            "--compression is not built for --optimizer push_sum (its puts must "
+            "carry the mass exactly); use win_put, atc or awc"
+        )
 
     gossamer.init()
     rank, size = gossamer.rank(), gossamer.size()

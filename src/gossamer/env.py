@@ -22,7 +22,7 @@ variable                       default    meaning
                                           ``<prefix>.rank<k>.json`` (Chrome trace) at exit;
                                           a ``{rank}`` in it is replaced instead
 ``GOSSAMER_CHECKPOINT_DIR``    unset      directory of automatic checkpoints
-                                          (:func:`gossamer.checkpoint.autoresume`); set by
+                                          (:class:`gossamer.checkpoint.AutoResume`); set by
                                           ``gossamer run --checkpoint-dir``
 ``GOSSAMER_CHECKPOINT_EVERY``  unset      steps between automatic checkpoints; set by
                                           ``gossamer run --checkpoint-every``
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 BACKENDS = ("gloo", "nccl", "auto")
-# Set by `gossamer run --checkpoint-dir/--checkpoint-every`, read by checkpoint.autoresume.
+# Set by `gossamer run --checkpoint-dir/--checkpoint-every`, read by checkpoint.AutoResume.
 CHECKPOINT_DIR = "GOSSAMER_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "GOSSAMER_CHECKPOINT_EVERY"
 CHECKPOINT_RESIZE = "GOSSAMER_CHECKPOINT_RESIZE"
@@ -95,7 +95,7 @@ class Settings:
     timeline: str | None = None  # path prefix of the Chrome-trace timeline; None is off
     # BlueFog's file prefix (BLUEFOG_TIMELINE), honoured by the facade's init; None is off
     bluefog_timeline: str | None = None
-    checkpoint_dir: str | None = None  # automatic checkpoints (checkpoint.autoresume)
+    checkpoint_dir: str | None = None  # automatic checkpoints (checkpoint.AutoResume)
     checkpoint_every: int | None = None  # steps between them
     checkpoint_resize: bool = False  # resume them on another number of ranks
 

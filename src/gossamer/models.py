@@ -31,7 +31,11 @@ class MLP(nn.Sequential):
 
 
 class SmallCNN(nn.Module):
-    """Two convolutions and a linear head, for 8x8 images such as scikit-learn's digits."""
+    """Two convolutions and a linear head, for 8x8 images such as scikit-learn's digits.
+
+    The head's first layer is lazy (``nn.LazyLinear``, sized by the image): run one forward
+    pass, e.g. ``model(torch.zeros(1, channels, 8, 8))``, before building an optimizer.
+    """
 
     def __init__(self, classes: int = 10, channels: int = 1) -> None:
         _sizes(1, classes=classes, channels=channels)

@@ -681,3 +681,15 @@ def test_a_decentralized_optimizer_is_not_wrapped_again_nor_given_groups():
         assert "not a gossamer one" in errors[0] and "not a gossamer one" in errors[1]
         assert "cannot take a parameter group" in errors[2]
         assert "takes no optimizer hooks" in errors[3]
+
+
+def test_a_lazy_module_not_yet_run_is_refused_naming_it():
+    gossamer.init()
+    try:
+        model = nn.Sequential(nn.Linear(2, 3), nn.LazyLinear(4))
+        with pytest.raises(ValueError, match=r"\['1.weight', '1.bias'\] .* not initialized"):
+            optim.AdaptWithCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        model(torch.zeros(1, 2))  # now sized
+        optim.AdaptWithCombine(torch.optim.SGD(model.parameters(), lr=0.1), model).close()
+    finally:
+        gossamer.shutdown()

@@ -185,6 +185,17 @@ def test_train_digits_runs_as_a_world_of_one(tmp_path):
     assert (tmp_path / "train_digits.png").stat().st_size > 0
 
 
+def test_train_digits_refuses_compressed_push_sum_before_it_starts():
+    done = subprocess.run(
+        [sys.executable, EXAMPLES / "train_digits.py", "--optimizer", "push_sum"]
+        + ["--compression", "fp16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "not built for --optimizer push_sum" in done.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     # dcd (DifferenceGossip) is ATC's path with another communicator, checked against its

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fault.add_argument(
         "--checkpoint-dir",
-        help="directory of automatic checkpoints: the ranks' gossamer.checkpoint.autoresume "
+        help="directory of automatic checkpoints: the ranks' gossamer.checkpoint.AutoResume "
         "saves there and resumes from the newest complete one",
     )
     fault.add_argument(
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         # every round's rank 0 hosts a fresh store for its ranks.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if args.checkpoint_dir:
-        # The ranks inherit the launcher's environment; gossamer.checkpoint.autoresume reads it.
+        # The ranks inherit the launcher's environment; gossamer.checkpoint.AutoResume reads it.
         os.environ[CHECKPOINT_DIR] = os.path.abspath(args.checkpoint_dir)
         os.environ[CHECKPOINT_EVERY] = str(args.checkpoint_every)
         if args.elastic:

@@ -135,6 +135,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"the optimizer has parameters that are not in the model (shapes {strangers})"
             )
+        lazy = [names[p] for p in params if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            raise ValueError(
+                f"parameters {lazy} of the model are not initialized yet (lazy modules such "
+                "as nn.LazyLinear): run one forward pass before building the optimizer"
+            )
         self.param_names = {p: names[p] for p in params}
         # Where the model holds each parameter: a module attribute given a new Parameter
         # after building would no longer be stepped or averaged (see _check_usable).

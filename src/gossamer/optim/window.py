@@ -55,7 +55,8 @@ class _OverWindows:
         if compression not in (None, "none") and self.gossip is not WindowPutGossip:
             raise ValueError(
                 f"{type(self).__name__}: compression={compression!r} is not built for push-sum "
-                "(an error-feedback residual holds back mass, which push-sum must conserve); "
+                "(its puts must carry the mass exactly: a compressed value, or an "
+                "error-feedback residual, loses or holds back some); "
                 "use WindowPut, or AdaptWithCombine with compression= (CHOCO-gossip)"
             )
         elastic = kwargs.pop("elastic", False)
