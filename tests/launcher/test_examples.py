@@ -186,9 +186,9 @@ def test_train_digits_runs_as_a_world_of_one(tmp_path):
 
 
 def test_train_digits_refuses_compressed_push_sum_before_it_starts():
+    args = ["--optimizer", "push_sum", "--compression", "fp16"]
     done = subprocess.run(
-        [sys.executable, EXAMPLES / "train_digits.py", "--optimizer", "push_sum"]
-        + ["--compression", "fp16"],
+        [sys.executable, EXAMPLES / "train_digits.py", *args],
         capture_output=True,
         text=True,
         timeout=120,
