@@ -56,6 +56,7 @@ from gossamer import checkpoint, optim
 from gossamer import topology as topo
 
 _VICTIM, _JOINER = "JOIN_DIGITS_VICTIM", "JOIN_DIGITS_JOINER"
+_AGENT_PID = "join_digits.victim_agent.pid"  # the driver writes it, the victim reads it
 
 
 # ---------------------------------------------------------------------- one rank
@@ -86,7 +87,9 @@ def train(args: argparse.Namespace) -> None:
             log.write("acc", step=auto.steps, acc=accuracy(model, test_images, test_labels))
         if not args.no_faults and _VICTIM in os.environ and auto.steps == kill_step:
             log.write("killed", step=auto.steps)
-            os.kill(os.getppid(), signal.SIGKILL)  # the machine's agent...
+            # The machine's agent (its launcher: a rank's parent is the launcher's
+            # preloader, not the agent)...
+            os.kill(int((args.out / _AGENT_PID).read_text()), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)  # ...and its rank
         if not args.no_faults and size == args.machines - 1 and auto.steps == join_step:
             log.write("waiting", step=auto.steps)
@@ -127,6 +130,7 @@ def drive(args: argparse.Namespace) -> int:
         _machine(args, port, i, {_VICTIM: "1"} if i == args.machines - 1 else {})
         for i in range(args.machines)
     ]
+    (args.out / _AGENT_PID).write_text(str(machines[-1].pid))  # what the victim kills
     began = time.time()
     while not args.no_faults and not any(e["event"] == "waiting" for e in _events(log_path)):
         if all(m.poll() is not None for m in machines):
@@ -187,7 +191,8 @@ def report(events: list[dict], began: float, args: argparse.Namespace) -> None:
     if waiting:
         joined = _first_step_after(events, waiting["t"], args.machines)
         print(
-            f"newcomer started at step {waiting['step']}; first evaluation of 4 ranks "
+            f"newcomer started at step {waiting['step']}; first evaluation of "
+            f"{args.machines} ranks "
             f"{joined - waiting['t']:.1f} s later"
         )
         _catch_up(events, waiting["t"])

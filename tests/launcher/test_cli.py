@@ -156,6 +156,14 @@ def test_bad_plan_exits_2_before_starting_anything(capsys):
     assert "-H/--hosts entry 'host:x'" in capsys.readouterr().err
 
 
+def test_a_missing_network_interface_exits_2_before_starting_anything(capsys, tmp_path):
+    script = tmp_path / "a.py"
+    script.write_text("raise SystemExit(5)\n")  # must not run
+    assert cli.main(["run", "-np", "2", "--network-interface", "nosuch0", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "no interface 'nosuch0' on this machine" in err and "'lo'" in err
+
+
 def test_version(capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("gossamer ")

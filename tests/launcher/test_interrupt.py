@@ -15,6 +15,10 @@ SLEEPER = textwrap.dedent("""
     import os, signal, sys, time
     if "--ignore-sigterm" in sys.argv:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "--gossamer" in sys.argv:  # GOSSAMER_TIMELINE in the environment starts the timeline
+        import gossamer
+        gossamer.init()
+        gossamer.barrier()
     print(f"ready {os.environ['RANK']} {os.getpid()}", flush=True)
     time.sleep(600)
 """)
@@ -161,3 +165,15 @@ def test_children_with_a_marker_are_only_the_launchs_own(tmp_path):
         ours.wait()
         other.wait()
     assert ours.pid not in children() and other.pid not in children()
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_an_interrupted_job_still_writes_every_rank_s_timeline(tmp_path, np_):
+    env = {"GOSSAMER_TIMELINE": str(tmp_path / "trace")}
+    job = Job(["-np", str(np_)], tmp_path, env=env, script_args=("--gossamer",))
+    pids = job.rank_pids(np_)
+    code, err = job.stop(signal.SIGINT)
+    assert code == 130, err
+    _assert_all_gone(pids.values())
+    for rank in range(np_):
+        assert (tmp_path / f"trace.rank{rank}.json").stat().st_size > 0, err

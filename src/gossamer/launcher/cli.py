@@ -218,6 +218,16 @@ def main(argv: list[str] | None = None) -> int:
         plan = _plan(args, command)
     except ValueError as err:
         return _fail(parser, str(err))
+    if args.network_interface and not args.hosts:  # with -H the other hosts' interfaces
+        try:
+            socket.if_nametoindex(args.network_interface)
+        except OSError:
+            names = sorted(name for _, name in socket.if_nameindex())
+            return _fail(
+                parser,
+                f"--network-interface: no interface {args.network_interface!r} on this "
+                f"machine; it has {names}",
+            )
     if plan.resizable:
         os.environ[CHECKPOINT_RESIZE] = "1"
         # torch's c10d rendezvous shares its store with the ranks, but its rank 0 publishes

@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import os
 import pathlib
+import signal
 import threading
 import time
 import warnings
@@ -118,7 +119,17 @@ def _install_hooks() -> None:
     atexit.register(_write_at_exit)
     # A forked child is not the rank: it must neither record nor overwrite the rank's file.
     os.register_at_fork(after_in_child=spans._forget)
+    # SIGTERM's default action skips atexit, and SIGTERM is how the launcher stops the
+    # ranks (Ctrl-C, a rank that died): exit through Python instead, so the file is written.
+    on_main = threading.current_thread() is threading.main_thread()
+    if on_main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _hooks_installed = True
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise SystemExit(128 + signum)
 
 
 def start_timeline(path: str | os.PathLike[str], *, merged: bool = False) -> None:
