@@ -95,6 +95,16 @@ CASES = {
         "sync",
     ),
     "win-put": (lambda m: optim.WindowPut(_sgd(m), m, **SMALL), "win-put"),
+    "win-put-randomk": (  # one random-k stream per window (bucket)
+        lambda m: optim.WindowPut(_sgd(m), m, compression="randomk:0.3", **SMALL),
+        "win-put",
+    ),
+    "ngc-qsgd": (  # CompNGC with an unbiased compressor: no error feedback holds its stream
+        lambda m: optim.NGC(
+            _sgd(m), m, topology=topo.ring(gossamer.size()), compression="qsgd:8", **SMALL
+        ),
+        "closure",
+    ),
     "win-put-one-peer": (lambda m: optim.WindowPut(_sgd(m), m, schedule=_one_peer()), "win-put"),
     "push-sum": (lambda m: optim.PushSum(_sgd(m), m, **SMALL), "push-sum"),
     "push-sum-one-peer": (lambda m: optim.PushSum(_sgd(m), m, schedule=_one_peer()), "push-sum"),
@@ -145,6 +155,7 @@ CONTROLS = {
     "awc-choco-uint8": _edit(copies=lambda c: {}),
     "atc-choco-one-peer": _edit(copies=lambda c: {}),
     "win-put-one-peer": _edit(buffers=_zero_slots),
+    "ngc-qsgd": _edit(compressor=lambda c: {**c, "step": 0}),
     "push-sum": _edit(
         buffers=_zero_slots, p_buffers=lambda ps: [dict.fromkeys(p, 0.0) for p in ps]
     ),
@@ -175,6 +186,9 @@ def _train(model, opt, protocol, first, steps, knobs):
                     ((model(x) - y) ** 2).mean().backward()
                     opt.step()
                 gossamer.barrier()
+            continue
+        if protocol == "closure":
+            opt.step(lambda x=x, y=y: ((model(x) - y) ** 2).mean())
             continue
         ((model(x) - y) ** 2).mean().backward()
         if protocol == "win-put":
@@ -255,6 +269,14 @@ def _resume(names, root, controls=True):
 def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     return root, run_distributed(_resume, 4, args=(list(CASES), str(root)), timeout=240)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_resume_of_per_window_and_ngc_streams_is_bit_exact_on_other_sizes(tmp_path, world_size):
+    names = ["win-put-randomk", "ngc-qsgd"]
+    for results in run_distributed(_resume, world_size, args=(names, str(tmp_path)), timeout=240):
+        for name in names:
+            assert results[name]["exact"], (name, results[name]["max_diff"])
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -49,6 +49,7 @@ from gossamer.compression import (
     ErrorFeedback,
     Payload,
     default_error_feedback,
+    for_rank,
     get_compressor,
 )
 from gossamer.optim.base import DEFAULT_FUSION_BYTES, DecentralizedOptimizer
@@ -138,11 +139,13 @@ class NGC(DecentralizedOptimizer):
         me = context.rank()
         self.self_weight, self.weights = graph.recv_weights(me)
         self.neighbors = sorted(self.weights)
-        self.compressor = compressor
+        # Stochastic rounding noise independent per rank (random-k keeps a shared stream);
+        # the call check compares the configuration every rank shares.
+        self.codec = codec_id(compressor) if compressor.name != "none" else 0
+        self.compressor = compressor = for_rank(compressor, me)
         if error_feedback is None:
             error_feedback = compressor.name != "none" and default_error_feedback(compressor)
         self.error_feedback = ErrorFeedback(compressor) if error_feedback else None
-        self.codec = codec_id(compressor) if compressor.name != "none" else 0
         #: payload bytes this rank sent: ``{"models": ..., "cross_gradients": ...}``
         self.bytes_sent = {"models": 0, "cross_gradients": 0}
 
@@ -276,6 +279,7 @@ class NGC(DecentralizedOptimizer):
         residuals = {} if self.error_feedback is None else self.error_feedback.state_dict()
         return {
             **super()._comm_state(),
+            "compressor": self.compressor.state_dict(),  # its random stream's position
             "error_feedback": residuals,
             "bytes_sent": dict(self.bytes_sent),
         }
@@ -288,6 +292,8 @@ class NGC(DecentralizedOptimizer):
                 "error feedback (saved from a CompNGC with another compressor?)"
             )
         super()._load_comm_state(state)
+        if "compressor" in state:  # absent from checkpoints of earlier versions
+            self.compressor.load_state_dict(state["compressor"])
         if self.error_feedback is not None:
             if residuals:
                 self.error_feedback.load_state_dict(residuals)

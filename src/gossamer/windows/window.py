@@ -22,6 +22,7 @@ destination adds :math:`D(\cdot)` into its slot.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Container, Iterable, Mapping, Sequence
 
 import torch
@@ -392,7 +393,14 @@ class Window:
         state = self._require()
         mine = state.compressors.get(compressor.name)
         if mine is None:  # kept, so that a stochastic compressor's stream advances per call
-            mine = state.compressors[compressor.name] = for_rank(compressor, context.rank())
+            mine = for_rank(compressor, context.rank())
+            if mine is compressor:
+                # This window's own: one shared by every window (an optimizer's buckets)
+                # would advance once per window, which a resumed job, whose windows each
+                # restore their own, would not; and the caller's object stays as given.
+                mine = dataclasses.replace(compressor)
+                mine.load_state_dict(compressor.state_dict())
+            state.compressors[compressor.name] = mine
         return mine
 
     def _compressed(self, state: WindowState, kind: Kind, target: torch.Tensor, dst: int, c):
