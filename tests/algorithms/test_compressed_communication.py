@@ -486,3 +486,35 @@ def test_choco_refuses_a_compressor_that_is_no_contraction():
         )
         assert "randomk:0.1:unbiased=true" in errors[1] and "qsgd:4" in errors[2]
         assert "public copies would diverge" in errors[3]
+
+
+def _half_sum_and_refusals(dtype, spec):
+    # Every rank's 30000 is representable in float16; their sum is not.
+    x = torch.full((6,), 30000.0, dtype=dtype)
+    average = communicators.CompressedAllreduce(spec).start(x).wait()
+    empty = communicators.CompressedAllreduce(spec).start(torch.empty(0, dtype=dtype)).wait()
+    refused = []
+    for make in (
+        lambda: communicators.CompressedAllreduce(spec),
+        lambda: communicators.ChocoGossip(spec, topology=topo.ring(gossamer.size())),
+        lambda: communicators.DifferenceGossip(spec, topology=topo.ring(gossamer.size())),
+    ):
+        try:
+            make().start(torch.ones(4, dtype=torch.int32))
+        except TypeError as err:
+            refused.append(str(err))
+    return average, empty, refused
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("spec", ["none", "fp16", "uint8", "randomk:0.5", "topk:0.5"])
+def test_half_precision_sums_in_float32_and_integers_are_refused(world_size, spec):
+    for dtype in (torch.float16, torch.bfloat16):
+        runs = run_distributed(_half_sum_and_refusals, world_size, args=(dtype, spec))
+        for average, empty, refused in runs:
+            kept = average[average != 0]  # the sparsifiers keep some entries
+            assert average.dtype == dtype and kept.numel() > 0
+            assert torch.isfinite(average).all(), average
+            assert torch.allclose(kept.float(), torch.tensor(30000.0), rtol=0.01)
+            assert empty.numel() == 0 and empty.dtype == dtype
+            assert len(refused) == 3 and all("got torch.int32" in e for e in refused)

@@ -224,7 +224,7 @@ class ChocoGossip(RankStreams, Scheduled):
         return copies[key]
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
-        self._use_rank_streams()
+        self._begin(flat)
         if self.elastic:
             return _ElasticChoco(self, index, self.topology, self.step, self.rounds).start(flat)
         step = self.step

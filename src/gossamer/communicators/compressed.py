@@ -64,6 +64,8 @@ from gossamer.ops.collectives import reduce_into
 __all__ = ["CompressedAllreduce", "RankStreams", "codec_id", "rank_compressor"]
 
 _SPARSIFIERS = ("topk", "randomk", "stc")
+# Half types are summed in float32 (as the ops do): a sum of representable values may not be.
+_WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
 def codec_id(compressor: Compressor) -> int:
@@ -96,6 +98,15 @@ class RankStreams:
             if mine is not None:
                 self._given = self.compressor.name
                 self.compressor, self._ranked = mine, True
+
+    def _begin(self, flat: torch.Tensor) -> None:
+        """Check a round's tensor, then :meth:`_use_rank_streams`."""
+        if not flat.is_floating_point():
+            raise TypeError(
+                f"{type(self).__name__}: compression={self._given_name()!r} takes "
+                f"floating-point tensors; got {flat.dtype}"
+            )
+        self._use_rank_streams()
 
     def _compression_state(self) -> dict:
         """The compressor's name (the same on every rank) and its state, for ``state_dict``."""
@@ -166,9 +177,11 @@ class CompressedAllreduce(RankStreams, Communicator):
         return self.feedback.compress(x, key=key)
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
-        self._use_rank_streams()
+        self._begin(flat)
         x = flat.detach().clone()  # the caller may change flat while the round runs
-        if isinstance(self.compressor, RandomK):
+        if x.numel() == 0:  # every rank's bucket is empty alike: nothing to send
+            reduce = lambda x, index: x  # noqa: E731
+        elif isinstance(self.compressor, RandomK):
             reduce = self._shared_positions
         else:
             reduce = self._sparse if self.sparse else self._scatter_gather
@@ -186,9 +199,11 @@ class CompressedAllreduce(RankStreams, Communicator):
         padded[: x.numel()] = x
         chunks = [self._compress(c, (index, k)) for k, c in enumerate(padded.view(n, per))]
         received = ops.alltoall(torch.cat([c.buffer for c in chunks]))
-        mine = sum(self._decode(b, per, x) for b in received.view(n, -1))
+        wide = _WIDE.get(x.dtype, x.dtype)  # half types sum in float32, as ops do
+        mine = sum(self._decode(b, per, x).to(wide) for b in received.view(n, -1))
         if self.average:
             mine = mine / n
+        mine = mine.to(x.dtype)
         parts = ops.allgather(self.compressor.compress(mine).buffer).view(n, -1)
         out = torch.cat([self._decode(b, per, x) for b in parts])
         return out[: x.numel()].view_as(flat)
@@ -200,11 +215,16 @@ class CompressedAllreduce(RankStreams, Communicator):
         buffers = ops.allgather(payload.buffer).split(sizes.tolist())
         # Each payload adds its k entries in place: decoding n dense tensors, stacking and
         # summing them was most of a step's CPU time.
-        total = torch.zeros_like(flat)
+        wide = _WIDE.get(flat.dtype)
+        total = torch.zeros_like(flat, dtype=wide)
         for buffer in buffers:
             received = Payload(buffer.contiguous(), flat.shape, flat.dtype)
-            self.compressor.decompress_add_(received, total)
-        return total.div_(n) if self.average else total
+            if wide is None:
+                self.compressor.decompress_add_(received, total)
+            else:  # half types: a float32 sum, which k half-precision adds could overflow
+                total.add_(self.compressor.decompress(received))
+        total = total.div_(n) if self.average else total
+        return total if wide is None else total.to(flat.dtype)
 
     def _shared_positions(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         # Every rank kept the same positions: sum the values alone. The header allgather of

@@ -241,7 +241,7 @@ class DifferenceGossip(Arrivals, RankStreams, Communicator):
             )
 
     def _start(self, flat: torch.Tensor, index: int) -> Pending | None:
-        self._use_rank_streams()
+        self._begin(flat)
         self._take(index)
         if self.compressor.exact_nbytes and transport.can_post(flat):
             return self._post(flat, index)
