@@ -84,3 +84,39 @@ def test_do_flatten_gives_the_same_weights_bit_for_bit(name):
         assert flat_steps[0].ne(flat_steps[-1]).any()  # it trained
         assert all(flat_buckets), (name, rank)  # tensors are slices of the buckets
         assert not any(copy_buckets), (name, rank)  # ... only with do_flatten=True
+
+
+class _Transposed(nn.Module):
+    """A weight that is a transposed view: not contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(24.0).reshape(6, 4).t() / 24)
+        self.b = nn.Parameter(torch.zeros(6))
+
+    def forward(self, x):
+        return ((x @ self.w) + self.b).pow(2).sum()
+
+
+def _transposed(name):
+    bagua.init_process_group()
+    r = bagua.get_rank()
+    out = []
+    for do_flatten in (True, False):
+        m = _Transposed()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        m.with_bagua([opt], _algorithm(name, opt), do_flatten=do_flatten)
+        for _ in range(3):
+            opt.zero_grad()
+            m(torch.ones(2, 4) * (r + 1)).backward()
+            opt.step()
+        out.append(flat(m))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", ["gradient_allreduce", "decentralized/all"])
+def test_a_non_contiguous_parameter_flattens_without_changing_a_value(name, world_size):
+    for flattened, copied in run_distributed(_transposed, world_size, args=(name,)):
+        # Flattened, the weight is contiguous: its matmul may round in another order.
+        assert torch.allclose(flattened, copied, rtol=0, atol=1e-6), (flattened - copied).abs()

@@ -104,8 +104,11 @@ class BaguaTensor:
         Its shape and dtype are kept; its values become those already in the storage.
         """
         effective = self.bagua_getter_closure()
+        # Contiguous strides: set_ would keep a transposed tensor's, which would then read
+        # its bucket slice in another order (and overlap itself while packing).
+        strides = torch.empty(effective.shape, device="meta").stride()
         with torch.no_grad():
-            effective.set_(storage, storage_offset, effective.shape)
+            effective.set_(storage, storage_offset, effective.shape, strides)
 
     def bagua_ensure_grad(self) -> torch.Tensor:
         """Give a parameter a zero gradient if it has none; return it.
