@@ -94,3 +94,23 @@ def test_powersgd_spec_and_options_are_checked():
         communicators.PowerSGDAllreduce(2, start_iter=1)
     with pytest.raises(TypeError, match="warm_start"):
         communicators.PowerSGDAllreduce(2, warm_start=1)
+
+
+def _with_an_empty_parameter(empty):
+    model = _model()
+    if empty:
+        model.register_parameter("empty", nn.Parameter(torch.zeros(0, 4)))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    comm = communicators.PowerSGDAllreduce(1, start_iter=START)
+    opt = optim.GradientAllreduce(sgd, model, communicator=comm)
+    _train(model, opt, STEPS)
+    opt.close()
+    return [p.detach().clone() for p in model.parameters() if p.numel()]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_empty_parameter_changes_nothing(world_size):
+    with_empty = run_distributed(_with_an_empty_parameter, world_size, args=(True,))
+    without = run_distributed(_with_an_empty_parameter, world_size, args=(False,))
+    for a, b in zip(with_empty, without, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -68,7 +68,8 @@ class _HookBucket:
         self._views, offset = [], 0
         for shape in shapes:
             numel = int(np.prod(shape, dtype=np.int64))
-            self._views.append(flat[offset : offset + numel].view(shape))
+            if numel:  # the hook views each as shape[0] rows, which an empty one cannot be
+                self._views.append(flat[offset : offset + numel].view(shape))
             offset += numel
 
     def buffer(self) -> torch.Tensor:
