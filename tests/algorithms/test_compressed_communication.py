@@ -518,3 +518,26 @@ def test_half_precision_sums_in_float32_and_integers_are_refused(world_size, spe
             assert torch.allclose(kept.float(), torch.tensor(30000.0), rtol=0.01)
             assert empty.numel() == 0 and empty.dtype == dtype
             assert len(refused) == 3 and all("got torch.int32" in e for e in refused)
+
+
+def _mismatched_dtypes(spec):
+    # Same size on the wire, different meaning: rank 0 float16, the others bfloat16.
+    dtype = torch.float16 if gossamer.rank() == 0 else torch.bfloat16
+    errors = []
+    for make in (
+        lambda: communicators.CompressedAllreduce(spec),
+        lambda: communicators.ChocoGossip(spec, topology=topo.ring(gossamer.size())),
+        lambda: communicators.DifferenceGossip(spec, topology=topo.ring(gossamer.size())),
+    ):
+        try:
+            make().start(torch.arange(8, dtype=dtype)).wait()
+        except gossamer.PeerError as err:
+            errors.append(type(err).__name__)
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("spec", ["none", "fp16", "uint8", "topk:0.5"])
+def test_ranks_with_different_dtypes_raise_instead_of_mixing(world_size, spec):
+    for errors in run_distributed(_mismatched_dtypes, world_size, args=(spec,)):
+        assert errors == ["PeerError"] * 3

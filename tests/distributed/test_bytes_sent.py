@@ -72,12 +72,17 @@ def test_collective_counts_follow_the_ring_costs():
     c = get_compressor("topk:0.1")
     for plain, sparse in run_distributed(_allreduces, n, args=("topk:0.1",)):
         assert plain == {"allreduce": (n - 1) * HEAD + 2 * (n - 1) * 1001 * 4 // n}
-        # allgather of the payload sizes, then of the payloads: header check + data each.
-        assert sparse == {"allgather": (n - 1) * (2 * HEAD + 8 + c.payload_nbytes(1001))}
+        # A bucket's first round checks the call (one header allgather: payloads hide the
+        # dtype); then an allgather of the payload sizes and one of the payloads.
+        assert sparse == {
+            "compressed_allreduce": (n - 1) * HEAD,
+            "allgather": (n - 1) * (2 * HEAD + 8 + c.payload_nbytes(1001)),
+        }
     for _, uint8 in run_distributed(_allreduces, n, args=("uint8",)):
         per = -(-1001 // n)
         chunk = get_compressor("uint8").payload_nbytes(per)
         assert uint8 == {
+            "compressed_allreduce": (n - 1) * HEAD,
             "alltoall": (n - 1) * HEAD + (n - 1) * (n * chunk) // n,
             "allgather": (n - 1) * (HEAD + chunk),
         }

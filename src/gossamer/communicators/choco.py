@@ -42,7 +42,7 @@ import torch
 
 from gossamer import transport
 from gossamer.communicators.base import Deferred, Pending, PostedState, check_topology
-from gossamer.communicators.compressed import RankStreams, codec_id
+from gossamer.communicators.compressed import RankStreams, codec_id, typed_codec
 from gossamer.communicators.elastic import ElasticRound
 from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, Payload, compression_quality, get_compressor
@@ -324,8 +324,9 @@ class ChocoGossip(RankStreams, Scheduled):
         flat = x.reshape(-1)
         mine, sends = self._encode(flat, index, dsts, edged)
         probe = next(iter(sends.values()), self.compressor.compress(flat[:0]).buffer)
+        codec = typed_codec(self.codec, flat.dtype)
         received = transport.exchange(
-            _OP, probe, sends, sorted(weights), any_first_dim=True, codec=self.codec
+            _OP, probe, sends, sorted(weights), any_first_dim=True, codec=codec
         )
         return self._combine(flat, index, mine, received, weights).view_as(x)
 
@@ -354,8 +355,9 @@ class ChocoGossip(RankStreams, Scheduled):
         }
         probe = torch.empty(nbytes, dtype=torch.uint8)
         check = self._posted.needs_check(index, nbytes)
+        codec = typed_codec(self.codec, flat.dtype)
         exchange = transport.post_exchange(
-            _OP, probe, sends, receives, key=index, check=check, codec=self.codec
+            _OP, probe, sends, receives, key=index, check=check, codec=codec
         )
         in_place = self._in_place
         return Deferred(

@@ -73,6 +73,15 @@ def codec_id(compressor: Compressor) -> int:
     return zlib.crc32(compressor.name.encode()) & 0x7FFF_FFFF or 1
 
 
+def typed_codec(codec: int, dtype: torch.dtype) -> int:
+    """``codec`` with the tensor's dtype folded in, for the call header.
+
+    Payloads of two dtypes can be the same size (float16 and bfloat16), and decoding one as
+    the other gives garbage, not an error.
+    """
+    return (codec ^ zlib.crc32(str(dtype).encode())) & 0x7FFF_FFFF or 1
+
+
 def rank_compressor(compressor: Compressor) -> Compressor | None:
     """``for_rank(compressor, this rank)``, or None before ``gossamer.init``."""
     if not context.is_initialized():
@@ -164,6 +173,7 @@ class CompressedAllreduce(RankStreams, Communicator):
         self.average = average
         self.feedback = ErrorFeedback(self.compressor) if error_feedback else None
         self.sparse = self.compressor.name.split(":")[0] in _SPARSIFIERS
+        self._checked: dict[int, tuple[torch.dtype, int]] = {}  # bucket -> its checked call
         self._use_rank_streams()
 
     def _use_rank_streams(self) -> None:
@@ -180,12 +190,23 @@ class CompressedAllreduce(RankStreams, Communicator):
         self._begin(flat)
         x = flat.detach().clone()  # the caller may change flat while the round runs
         if x.numel() == 0:  # every rank's bucket is empty alike: nothing to send
-            reduce = lambda x, index: x  # noqa: E731
-        elif isinstance(self.compressor, RandomK):
-            reduce = self._shared_positions
-        else:
-            reduce = self._sparse if self.sparse else self._scatter_gather
-        return transport.submit(self.name, lambda: reduce(x, index))
+            return transport.submit(self.name, lambda: x)
+        if isinstance(self.compressor, RandomK):  # its every round checks the call
+            return transport.submit(self.name, lambda: self._shared_positions(x, index))
+        reduce = self._sparse if self.sparse else self._scatter_gather
+        # The payloads hide the tensors' dtype (float16 and bfloat16 ones are the same size):
+        # a bucket's first round checks the call itself.
+        codec = None
+        if self._checked.get(index) != (x.dtype, x.numel()):
+            self._checked[index] = (x.dtype, x.numel())
+            codec = codec_id(get_compressor(self._given_name()))
+
+        def run() -> torch.Tensor:
+            if codec is not None:
+                transport.check_same_call(self.name, x, None, codec=codec)
+            return reduce(x, index)
+
+        return transport.submit(self.name, run)
 
     def _decode(self, buffer: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
         return self.compressor.decompress(Payload(buffer.contiguous(), (numel,), like.dtype))

@@ -33,7 +33,7 @@ from gossamer.communicators.base import (
     PostedState,
     check_topology,
 )
-from gossamer.communicators.compressed import RankStreams, codec_id
+from gossamer.communicators.compressed import RankStreams, codec_id, typed_codec
 from gossamer.compression import Compressor, Payload, get_compressor
 from gossamer.errors import TopologyError
 from gossamer.fusion import Bucket
@@ -263,7 +263,9 @@ class DifferenceGossip(Arrivals, RankStreams, Communicator):
     def _round(self, x: torch.Tensor, index: int) -> torch.Tensor:
         flat = x.reshape(-1)
         self_weight, peers, dsts, replicas = self._plan(index, flat)
-        exchange = payload_exchange(dsts, [j for j, _, _ in peers], self.codec)
+        exchange = payload_exchange(
+            dsts, [j for j, _, _ in peers], typed_codec(self.codec, flat.dtype)
+        )
         return difference_round(
             self.compressor, flat, replicas, self_weight, peers, exchange
         ).view_as(x)
@@ -281,7 +283,8 @@ class DifferenceGossip(Arrivals, RankStreams, Communicator):
         self_weight, peers, dsts, replicas = self._plan(index, flat)
         nbytes = self.compressor.payload_nbytes(flat.numel(), flat.dtype)
         sources = [j for j, _, _ in peers]
-        post = payload_poster(self._posted, index, nbytes, dsts, sources, self.codec)
+        codec = typed_codec(self.codec, flat.dtype)
+        post = payload_poster(self._posted, index, nbytes, dsts, sources, codec)
         self._arrive(
             index, publish_differences(self.compressor, flat, replicas, self_weight, peers, post)
         )
