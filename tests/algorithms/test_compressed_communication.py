@@ -488,19 +488,24 @@ def test_choco_refuses_a_compressor_that_is_no_contraction():
         assert "public copies would diverge" in errors[3]
 
 
+def _compressed_communicators(spec):
+    ring = topo.ring(gossamer.size())
+    return [
+        communicators.CompressedAllreduce(spec),
+        communicators.ChocoGossip(spec, topology=ring),
+        communicators.DifferenceGossip(spec, topology=ring),
+    ]
+
+
 def _half_sum_and_refusals(dtype, spec):
     # Every rank's 30000 is representable in float16; their sum is not.
     x = torch.full((6,), 30000.0, dtype=dtype)
     average = communicators.CompressedAllreduce(spec).start(x).wait()
     empty = communicators.CompressedAllreduce(spec).start(torch.empty(0, dtype=dtype)).wait()
     refused = []
-    for make in (
-        lambda: communicators.CompressedAllreduce(spec),
-        lambda: communicators.ChocoGossip(spec, topology=topo.ring(gossamer.size())),
-        lambda: communicators.DifferenceGossip(spec, topology=topo.ring(gossamer.size())),
-    ):
+    for comm in _compressed_communicators(spec):
         try:
-            make().start(torch.ones(4, dtype=torch.int32))
+            comm.start(torch.ones(4, dtype=torch.int32))
         except TypeError as err:
             refused.append(str(err))
     return average, empty, refused
@@ -524,13 +529,9 @@ def _mismatched_dtypes(spec):
     # Same size on the wire, different meaning: rank 0 float16, the others bfloat16.
     dtype = torch.float16 if gossamer.rank() == 0 else torch.bfloat16
     errors = []
-    for make in (
-        lambda: communicators.CompressedAllreduce(spec),
-        lambda: communicators.ChocoGossip(spec, topology=topo.ring(gossamer.size())),
-        lambda: communicators.DifferenceGossip(spec, topology=topo.ring(gossamer.size())),
-    ):
+    for comm in _compressed_communicators(spec):
         try:
-            make().start(torch.arange(8, dtype=dtype)).wait()
+            comm.start(torch.arange(8, dtype=dtype)).wait()
         except gossamer.PeerError as err:
             errors.append(type(err).__name__)
     return errors
