@@ -173,6 +173,7 @@ class CompressedAllreduce(RankStreams, Communicator):
         self.average = average
         self.feedback = ErrorFeedback(self.compressor) if error_feedback else None
         self.sparse = self.compressor.name.split(":")[0] in _SPARSIFIERS
+        self.codec = codec_id(self.compressor)  # of the configuration every rank shares
         self._checked: dict[int, tuple[torch.dtype, int]] = {}  # bucket -> its checked call
         self._use_rank_streams()
 
@@ -196,14 +197,12 @@ class CompressedAllreduce(RankStreams, Communicator):
         reduce = self._sparse if self.sparse else self._scatter_gather
         # The payloads hide the tensors' dtype (float16 and bfloat16 ones are the same size):
         # a bucket's first round checks the call itself.
-        codec = None
-        if self._checked.get(index) != (x.dtype, x.numel()):
-            self._checked[index] = (x.dtype, x.numel())
-            codec = codec_id(get_compressor(self._given_name()))
+        check = self._checked.get(index) != (x.dtype, x.numel())
+        self._checked[index] = (x.dtype, x.numel())
 
         def run() -> torch.Tensor:
-            if codec is not None:
-                transport.check_same_call(self.name, x, None, codec=codec)
+            if check:
+                transport.check_same_call(self.name, x, None, codec=self.codec)
             return reduce(x, index)
 
         return transport.submit(self.name, run)

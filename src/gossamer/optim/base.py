@@ -96,12 +96,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         num_steps_per_communication: int = 1,
         fusion_threshold_bytes: int | None = DEFAULT_FUSION_BYTES,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
-            optimizer, DecentralizedOptimizer
-        ):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer (not a gossamer one); got {optimizer!r}"
-            )
+        check_torch_optimizer(optimizer)
         if (
             isinstance(num_steps_per_communication, bool)
             or not isinstance(num_steps_per_communication, int)
@@ -407,6 +402,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         return (
             f"{type(self).__name__}({type(self.optimizer).__name__}, "
             f"{self.communicator.name}, {len(self.buckets)} buckets)"
+        )
+
+
+def check_torch_optimizer(optimizer: object) -> None:
+    """Raise unless ``optimizer`` is a torch optimizer that is not a gossamer one."""
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
+        optimizer, DecentralizedOptimizer
+    ):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer (not a gossamer one); got {optimizer!r}"
         )
 
 

@@ -54,7 +54,7 @@ from torch.ao.nn.quantized import dynamic as qdynamic
 from torch.ao.quantization import default_dynamic_qconfig
 
 from gossamer import context, ops
-from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.optim.base import check_torch_optimizer
 from gossamer.topology import Topology
 
 __all__ = ["CoCoFL", "quantize_frozen"]
@@ -116,12 +116,7 @@ class CoCoFL:
         num_steps_per_communication: int = 1,
         masked: bool | None = None,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
-            optimizer, DecentralizedOptimizer
-        ):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer (not a gossamer one); got {optimizer!r}"
-            )
+        check_torch_optimizer(optimizer)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module; got {model!r}")
         if (
