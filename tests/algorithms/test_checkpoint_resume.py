@@ -50,6 +50,29 @@ def _adam(model):
     return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
+def _probe_score(model):
+    """A smooth stand-in for an accuracy: losses stay below the threshold, periods grow."""
+    x = torch.randn(16, 5, generator=torch.Generator().manual_seed(gossamer.rank()))
+    return 0.5 + 0.01 * float(torch.tanh(model(x)).mean())
+
+
+def _skewscout(model):
+    atc = optim.AdaptThenCombine(_sgd(model), model)
+    controller = optim.PeriodController(max_period=4)
+    return optim.SkewScout(atc, _probe_score, controller=controller, probe_every=2)
+
+
+def _cocofl(model):
+    constrained = gossamer.rank() % 2 == 1
+    return optim.CoCoFL(
+        _adam(model),
+        model,
+        frozen=["hidden"],
+        constrained=constrained,
+        num_steps_per_communication=2,
+    )
+
+
 SMALL = {"fusion_threshold_bytes": 128}  # several buckets: per-bucket state is exercised
 # name: (build(model) -> optimizer, protocol)
 CASES = {
@@ -108,6 +131,8 @@ CASES = {
     "win-put-one-peer": (lambda m: optim.WindowPut(_sgd(m), m, schedule=_one_peer()), "win-put"),
     "push-sum": (lambda m: optim.PushSum(_sgd(m), m, **SMALL), "push-sum"),
     "push-sum-one-peer": (lambda m: optim.PushSum(_sgd(m), m, schedule=_one_peer()), "push-sum"),
+    "skewscout": (_skewscout, "sync"),  # probes at steps 2, 4, 6: the period grows
+    "cocofl": (_cocofl, "sync"),  # quantized frozen layers, masked averaging every 2
     "bf-awc": (lambda m: bf.DistributedAdaptWithCombineOptimizer(_sgd(m), m), "sync"),
     "bf-awc-one-peer-knobs": (
         lambda m: bf.DistributedAdaptWithCombineOptimizer(_adam(m), m),
@@ -138,6 +163,11 @@ def _zero_slots(slots):
     return [{s: torch.zeros_like(b) for s, b in window.items()} for window in slots]
 
 
+def _first_period(state):
+    state["skewscout"]["controller"] = {"period": 1}
+    return state
+
+
 def _restart_schedule(opt):
     opt.communicator.schedule, opt.communicator.schedule_steps = _one_peer(), 0
 
@@ -156,6 +186,8 @@ CONTROLS = {
     "atc-choco-one-peer": _edit(copies=lambda c: {}),
     "win-put-one-peer": _edit(buffers=_zero_slots),
     "ngc-qsgd": _edit(compressor=lambda c: {**c, "step": 0}),
+    "skewscout": lambda opt: opt.load_state_dict(_first_period(opt.state_dict())),
+    "cocofl": lambda opt: setattr(opt, "steps", 0),
     "push-sum": _edit(
         buffers=_zero_slots, p_buffers=lambda ps: [dict.fromkeys(p, 0.0) for p in ps]
     ),
@@ -272,8 +304,8 @@ def resumed(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_resume_of_per_window_and_ngc_streams_is_bit_exact_on_other_sizes(tmp_path, world_size):
-    names = ["win-put-randomk", "ngc-qsgd"]
+def test_resume_of_streams_and_wrappers_is_bit_exact_on_other_sizes(tmp_path, world_size):
+    names = ["win-put-randomk", "ngc-qsgd", "skewscout", "cocofl"]
     for results in run_distributed(_resume, world_size, args=(names, str(tmp_path)), timeout=240):
         for name in names:
             assert results[name]["exact"], (name, results[name]["max_diff"])

@@ -222,3 +222,54 @@ def _world_of_one(root):
 
 def test_a_world_of_one_resumes_exactly(tmp_path):
     assert run_distributed(_world_of_one, 1, args=(str(tmp_path),)) == [[True, True]]
+
+
+def _wrapper_mismatches(root):
+    def skewscout(model):
+        atc = optim.AdaptThenCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        return optim.SkewScout(atc, lambda m: 1.0)
+
+    def cocofl(model):
+        return optim.CoCoFL(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+    def atc(model):
+        return optim.AdaptThenCombine(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+    messages = []
+    for saved, loaded, kwargs in [
+        (skewscout, atc, {}),
+        (atc, skewscout, {}),
+        (cocofl, skewscout, {}),
+        (None, cocofl, {"resize": True}),  # the fixture's 4-rank checkpoint
+    ]:
+        path = f"{root}/e"
+        if saved is not None:
+            model = _net()
+            path = f"{root}/{saved.__name__}"
+            checkpoint.save(path, model, saved(model))
+        model = _net()
+        try:
+            checkpoint.load(path, model, loaded(model), **kwargs)
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_a_wrapper_loads_only_its_own_kind_and_does_not_resize(errors):
+    root, _ = errors
+    [messages] = run_distributed(_wrapper_mismatches, 1, args=(str(root),))
+    assert len(messages) == 4, messages
+    assert "class SkewScout; optimizer has class AdaptThenCombine" in messages[0]
+    assert "class AdaptThenCombine; optimizer has class SkewScout" in messages[1]
+    assert "class CoCoFL; optimizer has class SkewScout" in messages[2]
+    assert "this one holds ranks [0, 1, 2, 3] of world size 4" in messages[3]
+
+
+def test_attach_checks_its_arguments():
+    model = _net()
+    with pytest.raises(TypeError, match="module must be an nn.Module; got 'm'"):
+        checkpoint.attach("m", "x", torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="name must be a str; got 3"):
+        checkpoint.attach(model, 3, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="stateful must have state_dict"):
+        checkpoint.attach(model, "x", object())

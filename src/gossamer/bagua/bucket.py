@@ -463,5 +463,23 @@ class BaguaBucket:
         for op in list(self._ops):
             op.run(self)
 
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> list[dict]:
+        """Each operation's communication state (rounds, replicas, compressor streams)."""
+        return [{} if op.communicator is None else op.communicator.state_dict() for op in self._ops]
+
+    def load_state_dict(self, state: list[dict]) -> None:
+        """Restore :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: ``state`` holds another number of operations.
+        """
+        if not isinstance(state, list) or len(state) != len(self._ops):
+            count = len(state) if isinstance(state, list) else state
+            raise ValueError(f"bucket {self.name!r} has {len(self._ops)} operations; got {count}")
+        for op, ours in zip(self._ops, state, strict=True):
+            if op.communicator is not None:
+                op.communicator.load_state_dict(ours)
+
     def __repr__(self) -> str:
         return f"BaguaBucket({self.name!r}, {len(self.tensors)} tensors, {len(self._ops)} ops)"

@@ -244,7 +244,7 @@ class LowPrecisionGossip(Arrivals, _Compressed):
             if replicas is not None:
                 raise ValueError("replicas are Bagua's ring buffers: give them without topology")
         self.topology = topology
-        self._given = None if replicas is None else list(replicas)
+        self._ring_buffers = None if replicas is None else list(replicas)
         self._replicas: dict[int, dict[Any, torch.Tensor]] = {}
         self._posted = PostedState()
 
@@ -255,7 +255,9 @@ class LowPrecisionGossip(Arrivals, _Compressed):
         when that round comes before the first local step.
         """
         for index, bucket in enumerate(buckets):
-            if index == 0 and self._given is not None:
+            if index == 0 and self._ring_buffers is not None:
+                own, left, right = self._ring_buffers  # Bagua's buffers hold x0 already
+                self._replicas[0] = {"self": own, "left": left, "right": right}
                 continue
             x0 = bucket.pack().detach().clone()
             keys = ["left", "right"] if self.topology is None else sorted(self._in_neighbors())
@@ -281,8 +283,8 @@ class LowPrecisionGossip(Arrivals, _Compressed):
 
     def _state(self, index: int, x: torch.Tensor, peers: list[tuple[int, float, Any]]) -> dict:
         if index not in self._replicas:
-            if index == 0 and self._given is not None:
-                own, left, right = self._given
+            if index == 0 and self._ring_buffers is not None:
+                own, left, right = self._ring_buffers
                 self._replicas[0] = {"self": own, "left": left, "right": right}
             else:
                 self._replicas[index] = {

@@ -47,18 +47,29 @@ from gossamer.checkpoint._files import (
     write_rank_file,
 )
 from gossamer.checkpoint._resize import averaged_payload
-from gossamer.checkpoint._state import capture, check_fit, check_plain, set_rng
+from gossamer.checkpoint._state import (
+    WRAPPERS,
+    attach,
+    capture,
+    check_fit,
+    check_plain,
+    decentralized,
+    load_attached,
+    set_rng,
+)
 from gossamer.checkpoint._survivors import survivors_begin, survivors_save
 from gossamer.errors import NotInitializedError
 from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.optim.cocofl import CoCoFL
+from gossamer.optim.skewscout import SkewScout
 
-__all__ = ["MANIFEST", "AutoResume", "CheckpointError", "load", "save"]
+__all__ = ["MANIFEST", "AutoResume", "CheckpointError", "attach", "load", "save"]
 
 
 def save(
     path: str | os.PathLike,
     model: nn.Module | Sequence[nn.Module],
-    optimizer: DecentralizedOptimizer | torch.optim.Optimizer,
+    optimizer: DecentralizedOptimizer | torch.optim.Optimizer | SkewScout | CoCoFL,
     *,
     extra: Any = None,
 ) -> Path:
@@ -71,7 +82,8 @@ def save(
     optimizer is in flight while the window slots are read. Saved per rank: the model's
     ``state_dict()``, the optimizer's ``state_dict()`` (for a decentralized optimizer, the
     wrapped optimizer's state and every counter, schedule position, generator, window slot
-    and push-sum weight its next steps depend on), the random generators of torch, Python
+    and push-sum weight its next steps depend on), the state of what :func:`attach` put
+    beside the model (the Bagua facade's engine), the random generators of torch, Python
     and NumPy (dropout, shuffling), and ``extra``. Works without ``gossamer.init()`` in a
     single process.
 
@@ -88,7 +100,9 @@ def save(
             machines without a shared file system each write their own file there; the
             manifest is on rank 0's machine.
         model (nn.Module | Sequence[nn.Module]): the model(s) whose ``state_dict`` is saved.
-        optimizer (DecentralizedOptimizer | torch.optim.Optimizer): the optimizer.
+        optimizer (DecentralizedOptimizer | torch.optim.Optimizer | SkewScout | CoCoFL): the
+            optimizer (``SkewScout`` and ``CoCoFL`` with their whole state: period
+            controller and probes; step and round counters).
         extra: anything else to resume (epoch, learning-rate scheduler state, data-loader
             position) made of dict, list, tuple, str, int, float, bool, None, bytes and
             tensors, so that ``torch.load(weights_only=True)`` reads it back.
@@ -108,8 +122,9 @@ def save(
     try:
         # This rank's puts land (acknowledged) before the barrier, after which peers read
         # their window slots.
-        if isinstance(optimizer, DecentralizedOptimizer) and not optimizer.step_in_progress:
-            optimizer.synchronize()
+        inner = decentralized(optimizer)
+        if inner is not None and not inner.step_in_progress:
+            inner.synchronize()
     except Exception as err:
         error = err
     if survivors:
@@ -149,7 +164,7 @@ def save(
 def load(
     path: str | os.PathLike,
     model: nn.Module | Sequence[nn.Module],
-    optimizer: DecentralizedOptimizer | torch.optim.Optimizer,
+    optimizer: DecentralizedOptimizer | torch.optim.Optimizer | SkewScout | CoCoFL,
     *,
     restore_rng: bool = True,
     resize: bool = False,
@@ -166,7 +181,8 @@ def load(
     Args:
         path (str | os.PathLike): the checkpoint directory.
         model (nn.Module | Sequence[nn.Module]): the model(s) to load into, as saved.
-        optimizer (DecentralizedOptimizer | torch.optim.Optimizer): the optimizer.
+        optimizer (DecentralizedOptimizer | torch.optim.Optimizer | SkewScout | CoCoFL): the
+            optimizer.
         restore_rng (bool): also restore torch's, Python's and NumPy's random generators.
         resize (bool): accept a checkpoint of another number of ranks ``n``. Then every
             rank loads the mean of the ``n`` saved models, :math:`x_i = \frac{1}{n}
@@ -176,7 +192,8 @@ def load(
             mapping of ``n`` models onto ``m`` ranks is); rank 0 must be able to read every
             saved rank's file. With the same number of ranks it changes nothing. A
             checkpoint of the survivors of a death (elastic) needs it: its ``n`` are the
-            survivors.
+            survivors. ``SkewScout`` and ``CoCoFL`` do not resize (their per-rank state has
+            no mean).
 
     Returns:
         the ``extra`` given to :func:`save` (saved rank 0's after a resize).
@@ -185,7 +202,8 @@ def load(
         TypeError: a bad ``path``, ``model`` or ``optimizer``.
         FileNotFoundError: ``path`` is not a directory.
         ValueError: the checkpoint was written by another number of ranks, or by the
-            survivors of a death, and ``resize`` is False, or it does not fit the model (a
+            survivors of a death, and ``resize`` is False (or the optimizer is a
+            ``SkewScout`` or ``CoCoFL``), or it does not fit the model (a
             tensor of another shape) or the optimizer (another wrapper, or another torch
             optimizer inside it).
         CheckpointError: no manifest (an interrupted save), a file that does not match it,
@@ -210,6 +228,12 @@ def load(
         # Collective, so every rank takes part even when its own arguments were bad.
         manifest = shared_manifest(rank, size, directory)
         resized = resize and (manifest["world_size"] != size or not is_complete(manifest))
+        if resized and isinstance(optimizer, WRAPPERS):
+            raise ValueError(
+                f"resize: a {type(optimizer).__qualname__} resumes only a complete "
+                f"checkpoint of this job's world size {size}; this one holds ranks "
+                f"{manifest['ranks']} of world size {manifest['world_size']}"
+            )
         if resized:
             payload = averaged_payload(directory, manifest, rank, size)  # collective too
         elif error is None and directory is not None:
@@ -220,7 +244,7 @@ def load(
         error = error or err
     exchange(rank, size, error, [], "load")
     try:
-        if isinstance(optimizer, DecentralizedOptimizer):
+        if decentralized(optimizer) is not None:
             optimizer.synchronize()
         states = [payload["model"]] if single else payload["model"]
         for module, state in zip(models, states, strict=True):
@@ -233,6 +257,7 @@ def load(
             optimizer.communicator.rebind(optimizer.buckets)
         else:
             optimizer.load_state_dict(payload["optimizer"])
+            load_attached(models, payload.get("attached", [{}] * len(models)))
         if restore_rng and not resized:
             set_rng(payload["rng"])
     except Exception as err:
@@ -271,18 +296,18 @@ def _models(model: object) -> tuple[list[nn.Module], bool]:
 
 def _is_elastic(optimizer: object) -> bool:
     """Whether the optimizer's rounds outlive dead peers (then so must its checkpoints)."""
-    if not isinstance(optimizer, DecentralizedOptimizer):
-        return False
-    return getattr(optimizer.communicator, "elastic", False) is True
+    inner = decentralized(optimizer)
+    return inner is not None and getattr(inner.communicator, "elastic", False) is True
 
 
 def _check_optimizer(optimizer: object, what: str) -> None:
-    if not isinstance(optimizer, DecentralizedOptimizer | torch.optim.Optimizer):
+    if not isinstance(optimizer, (DecentralizedOptimizer, torch.optim.Optimizer, *WRAPPERS)):
         raise TypeError(
-            "optimizer must be a gossamer DecentralizedOptimizer or a torch.optim.Optimizer; "
-            f"got {optimizer!r}"
+            "optimizer must be a gossamer DecentralizedOptimizer, SkewScout or CoCoFL, or a "
+            f"torch.optim.Optimizer; got {optimizer!r}"
         )
-    if isinstance(optimizer, DecentralizedOptimizer) and optimizer.step_in_progress:
+    inner = decentralized(optimizer)
+    if inner is not None and inner.step_in_progress:
         raise ValueError(
             f"optimizer {optimizer!r} is in the middle of a step (its communication has "
             f"started); {what} between steps: after step(), before the next forward pass"

@@ -29,6 +29,8 @@ from torch import nn
 from gossamer import context, env, ops
 from gossamer.checkpoint._files import MANIFEST
 from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.optim.cocofl import CoCoFL
+from gossamer.optim.skewscout import SkewScout
 from gossamer.transport import live_ranks
 
 __all__ = ["AutoResume"]
@@ -59,7 +61,8 @@ class AutoResume:
 
     Args:
         model (nn.Module | Sequence[nn.Module]): as for :func:`~gossamer.checkpoint.save`.
-        optimizer (DecentralizedOptimizer | torch.optim.Optimizer): likewise.
+        optimizer (DecentralizedOptimizer | torch.optim.Optimizer | SkewScout | CoCoFL):
+            likewise.
         directory (str | os.PathLike, optional): where checkpoints go; default
             ``GOSSAMER_CHECKPOINT_DIR`` (``gossamer run --checkpoint-dir``). None and unset:
             off (nothing is saved or loaded).
@@ -82,7 +85,7 @@ class AutoResume:
     def __init__(
         self,
         model: nn.Module | Sequence[nn.Module],
-        optimizer: DecentralizedOptimizer | torch.optim.Optimizer,
+        optimizer: DecentralizedOptimizer | torch.optim.Optimizer | SkewScout | CoCoFL,
         *,
         directory: str | os.PathLike | None = None,
         every: int | None = None,

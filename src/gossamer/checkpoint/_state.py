@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import weakref
 from typing import Any
 
 import numpy as np
@@ -11,8 +12,22 @@ from torch import nn
 
 from gossamer.checkpoint._files import FORMAT, FORMAT_VERSION
 from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.optim.cocofl import CoCoFL
+from gossamer.optim.skewscout import SkewScout
 
-__all__ = ["capture", "check_fit", "check_plain", "set_rng"]
+__all__ = [
+    "WRAPPERS",
+    "attach",
+    "capture",
+    "check_fit",
+    "check_plain",
+    "decentralized",
+    "load_attached",
+    "set_rng",
+]
+
+# Optimizers that are neither kind but save and load their whole state the same way.
+WRAPPERS = (SkewScout, CoCoFL)
 
 PLAIN = (str, int, float, bool, bytes, type(None), torch.Tensor)
 
@@ -45,20 +60,56 @@ def _plain_key(key: object) -> bool:
     return isinstance(key, str | int | float | bool | type(None))
 
 
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def attach(module: nn.Module, name: str, stateful: Any) -> None:
+    """Save ``stateful.state_dict()`` with ``module``; load it back after the module's state.
+
+    For communication state that lives beside a model, not in its optimizer: the Bagua
+    facade's engine (its step counter and replicas). Attaching again under ``name``
+    replaces the previous object.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, ``name`` not a str, or ``stateful``
+            has no ``state_dict()`` and ``load_state_dict()``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module; got {module!r}")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str; got {name!r}")
+    if not all(callable(getattr(stateful, m, None)) for m in ("state_dict", "load_state_dict")):
+        raise TypeError(f"stateful must have state_dict() and load_state_dict(); got {stateful!r}")
+    _ATTACHED.setdefault(module, {})[name] = stateful
+
+
+def _attached_states(module: nn.Module) -> dict[str, Any]:
+    return {name: obj.state_dict() for name, obj in _ATTACHED.get(module, {}).items()}
+
+
+def load_attached(models: list[nn.Module], saved: list[dict]) -> None:
+    """Load each model's attached objects from the states :func:`capture` saved."""
+    for module, states in zip(models, saved, strict=True):
+        for name, state in states.items():
+            _ATTACHED[module][name].load_state_dict(state)
+
+
 def capture(
     rank: int,
     size: int,
     models: list[nn.Module],
     single: bool,
-    optimizer: DecentralizedOptimizer | torch.optim.Optimizer,
+    optimizer: DecentralizedOptimizer | torch.optim.Optimizer | SkewScout | CoCoFL,
     extra: Any,
 ) -> dict:
     """This rank's payload: model and optimizer states, generators, ``extra``."""
     # The optimizer first: its state_dict() lands the combines in flight in the parameters.
     optimizer_state = optimizer.state_dict()
     model_states = [m.state_dict() for m in models]
+    attached = [_attached_states(m) for m in models]
     check_plain(optimizer_state, "the optimizer's state_dict()")
     check_plain(model_states, "the model's state_dict()")
+    check_plain(attached, "the model's attached state")
     step = getattr(optimizer, "steps", None)
     return {
         "format": FORMAT,
@@ -71,6 +122,7 @@ def capture(
         "decentralized": isinstance(optimizer, DecentralizedOptimizer),
         "model": model_states[0] if single else model_states,
         "optimizer": optimizer_state,
+        "attached": attached,
         "rng": rng_state(),
         "extra": extra,
     }
@@ -99,6 +151,13 @@ def set_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def decentralized(optimizer: object) -> DecentralizedOptimizer | None:
+    """The decentralized optimizer that communicates for ``optimizer``, if any."""
+    if isinstance(optimizer, SkewScout):
+        return optimizer.inner
+    return optimizer if isinstance(optimizer, DecentralizedOptimizer) else None
+
+
 def _inner_class(optimizer: object) -> str:
     """The class of the torch optimizer that takes the steps (inside a gossamer wrapper)."""
     return type(getattr(optimizer, "optimizer", optimizer)).__qualname__
@@ -114,10 +173,14 @@ def check_fit(payload: dict, single: bool, models: list[nn.Module], optimizer: o
     if single != isinstance(saved, dict) or (not single and len(saved) != len(models)):
         shape = "one module" if isinstance(saved, dict) else f"{len(saved)} modules"
         raise ValueError(f"the checkpoint holds {shape}; model has {len(models)}")
-    if payload["decentralized"] != isinstance(optimizer, DecentralizedOptimizer):
+    saved_class, own_class = payload["optimizer_class"], type(optimizer).__qualname__
+    wrapped = saved_class in {w.__qualname__ for w in WRAPPERS} or isinstance(optimizer, WRAPPERS)
+    if payload["decentralized"] != isinstance(optimizer, DecentralizedOptimizer) or (
+        wrapped and saved_class != own_class
+    ):
         raise ValueError(
-            f"the checkpoint was saved from optimizer class {payload['optimizer_class']}; "
-            f"optimizer has class {type(optimizer).__qualname__}"
+            f"the checkpoint was saved from optimizer class {saved_class}; "
+            f"optimizer has class {own_class}"
         )
     inner = payload.get("inner_optimizer_class")  # absent in older checkpoints
     if inner is not None and inner != _inner_class(optimizer):
@@ -125,6 +188,13 @@ def check_fit(payload: dict, single: bool, models: list[nn.Module], optimizer: o
             f"the checkpoint was saved with a torch.optim.{inner}; optimizer steps with a "
             f"torch.optim.{_inner_class(optimizer)}"
         )
+    for k, states in enumerate(payload.get("attached", [])):  # absent in older checkpoints
+        missing = sorted(set(states) - set(_ATTACHED.get(models[k], {})))
+        if missing:
+            raise ValueError(
+                f"the checkpoint holds state attached to model {k} as {missing} (with_bagua "
+                "attaches 'bagua'); that model has none: set it up as saved before loading"
+            )
     for module, state in zip(models, [saved] if single else saved, strict=True):
         for key, value in module.state_dict().items():
             got = state.get(key)

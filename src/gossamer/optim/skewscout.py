@@ -363,6 +363,16 @@ class SkewScout:
         return self.controller.period
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer inside the wrapped one (for a learning-rate scheduler)."""
+        return self.inner.optimizer
+
+    @property
+    def steps(self) -> int:
+        """The wrapped optimizer's step count."""
+        return self.inner.steps
+
+    @property
     def param_groups(self) -> list[dict]:
         """The wrapped torch optimizer's parameter groups."""
         return self.inner.param_groups

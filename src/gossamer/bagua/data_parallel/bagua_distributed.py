@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gossamer import ops, transport
+from gossamer import checkpoint, ops, transport
 from gossamer.bagua import env
 from gossamer.bagua._collectives import rejecting
 from gossamer.bagua._groups import BaguaProcessGroup, resolve
@@ -182,6 +182,7 @@ class BaguaDistributedDataParallel:
         self._callback_queued = False
         self._seen: set[str] = set()  # parameters whose gradient arrived this backward
         self._reset_pending = False  # asked for by an evaluation forward: the next training one
+        self._saved_buckets: list[list[dict]] | None = None  # loaded, waiting for a rebuild
         previous = module.__dict__.get("_bagua_engine")
         if previous is not None:  # wrapped again: the previous engine lets go of the module
             previous.detach()
@@ -195,6 +196,7 @@ class BaguaDistributedDataParallel:
         self._autograd_hooks: list[Any] = []
         self._optimizer_hooks: list[Any] = []
         module.__dict__["_bagua_engine"] = self
+        checkpoint.attach(module, "bagua", self)  # the step counter and replicas resume too
         self._bagua_init_algorithm()
 
     # ------------------------------------------------------------------ parameters
@@ -258,6 +260,7 @@ class BaguaDistributedDataParallel:
         for bucket in self.bagua_buckets:
             self.bagua_algorithm.init_operations(self, bucket)
         self._bagua_backend.register_ordered_buckets(self.bagua_buckets)
+        self._load_buckets()
 
     # ------------------------------------------------------------------ hooks
     def _count_step(self, module: nn.Module, inputs: Any) -> None:
@@ -318,6 +321,50 @@ class BaguaDistributedDataParallel:
             opt.register_step_post_hook(lambda opt, args, kwargs: post_step(opt))
             for opt in self.bagua_optimizers
         ]
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        r"""What exact resume needs beyond the module's and optimizers' states.
+
+        The train step counter (it decides the communication steps) and each bucket's
+        communication state (the round that picks ``shift_one``'s peer, the low-precision
+        replicas :math:`\hat w, \hat x_l, \hat x_r`). :func:`with_bagua` attaches it to the
+        module for :mod:`gossamer.checkpoint`.
+        """
+        self._bagua_backend.wait_pending_comm_ops()
+        buckets = [bucket.state_dict() for bucket in self.bagua_buckets]
+        return {"step": self.bagua_train_step_counter, "buckets": buckets}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (same algorithm and buckets).
+
+        Raises:
+            ValueError: ``state`` is not from :meth:`state_dict` or has other buckets.
+        """
+        if not isinstance(state, dict) or {"step", "buckets"} - set(state):
+            raise ValueError("state must be a dict from BaguaDistributedDataParallel.state_dict()")
+        if len(state["buckets"]) != len(self.bagua_buckets):
+            raise ValueError(
+                f"state holds {len(state['buckets'])} buckets; this module has "
+                f"{len(self.bagua_buckets)}"
+            )
+        self._bagua_backend.wait_pending_comm_ops()
+        self.bagua_train_step_counter = int(state["step"])
+        self._saved_buckets = state["buckets"]
+        self._load_buckets()
+
+    def _load_buckets(self) -> None:
+        """Load the saved bucket states once the buckets have the saved operations.
+
+        An algorithm that rebuilds its buckets at a later step (QAdam after its warm-up)
+        gets them at that rebuild.
+        """
+        saved = self._saved_buckets
+        if saved is None or [len(s) for s in saved] != [len(b._ops) for b in self.bagua_buckets]:
+            return
+        for bucket, ours in zip(self.bagua_buckets, saved, strict=True):
+            bucket.load_state_dict(ours)
+        self._saved_buckets = None
 
     def detach(self) -> None:
         """Wait for pending operations and remove every hook this engine installed."""
