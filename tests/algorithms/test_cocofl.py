@@ -204,6 +204,17 @@ def _misuse():
         CoCoFL(torch.optim.SGD(other.parameters(), lr=LR), model)
     except ValueError as err:
         errors.append(f"{type(err).__name__}: {err}")
+    # int8 dynamic quantization runs on the CPU only (a meta layer stands for a GPU one)
+    elsewhere = torch.nn.Sequential(torch.nn.Linear(5, 3, device="meta"))
+    try:
+        CoCoFL(
+            torch.optim.SGD(elsewhere.parameters(), lr=LR),
+            elsewhere,
+            frozen=["0"],
+            constrained=True,
+        )
+    except ValueError as err:
+        errors.append(f"{type(err).__name__}: {err}")
     return errors
 
 
@@ -222,4 +233,8 @@ def test_cocofl_argument_errors():
     assert errors[10] == "RuntimeError: CoCoFL was closed; build a new optimizer"
     assert errors[11] == (
         "ValueError: the optimizer has parameters that are not in the model (shapes [(3, 2), (3,)])"
+    )
+    assert errors[12] == (
+        "ValueError: frozen layer '0' is on meta; torch's dynamic int8 quantization, which "
+        "runs a frozen layer, runs on the CPU only"
     )
