@@ -210,7 +210,7 @@ class CoCoFL:
     def _flat_mask(self) -> torch.Tensor:
         return torch.cat(
             [
-                torch.full((p.numel(),), m, dtype=p.dtype)
+                torch.full((p.numel(),), m, dtype=p.dtype, device=p.device)
                 for p, m in zip(self.params, self.mask, strict=True)
             ]
         )
@@ -235,7 +235,8 @@ class CoCoFL:
                 mask = self._flat_mask()
                 mixed = self._mix(flat * mask)
                 sizes = [p.numel() for p in self.params]
-                weight = torch.repeat_interleave(self._weights.to(flat.dtype), torch.tensor(sizes))
+                counts = torch.tensor(sizes, device=flat.device)
+                weight = torch.repeat_interleave(self._weights.to(flat), counts)
                 trained = weight > 0
                 flat[trained] = mixed[trained] / weight[trained]
                 for p, part in zip(self.params, torch.split(flat, sizes), strict=True):
