@@ -215,6 +215,11 @@ def _misuse():
         )
     except ValueError as err:
         errors.append(f"{type(err).__name__}: {err}")
+    double = torch.nn.Sequential(torch.nn.Linear(5, 3)).double()
+    try:
+        CoCoFL(torch.optim.SGD(double.parameters(), lr=LR), double, frozen=["0"], constrained=True)
+    except ValueError as err:
+        errors.append(f"{type(err).__name__}: {err}")
     return errors
 
 
@@ -235,6 +240,7 @@ def test_cocofl_argument_errors():
         "ValueError: the optimizer has parameters that are not in the model (shapes [(3, 2), (3,)])"
     )
     assert errors[12] == (
-        "ValueError: frozen layer '0' is on meta; torch's dynamic int8 quantization, which "
-        "runs a frozen layer, runs on the CPU only"
+        "ValueError: frozen layer '0' is torch.float32 on meta; torch's dynamic int8 "
+        "quantization, which runs a frozen layer, takes float32 layers on the CPU only"
     )
+    assert errors[13].startswith("ValueError: frozen layer '0' is torch.float64 on cpu;")

@@ -96,6 +96,84 @@ def test_the_ddp_wrapper_resumes_exactly(tmp_path):
         assert out == {name: [True, False] for name in names}
 
 
+class _Outer(torch.nn.Module):
+    """A model whose submodule alone trains under the facade."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _submodule_resume(root):
+    bagua.init_process_group()
+    r = bagua.get_rank()
+    out = []
+    for phase in ("reference", "save", "load"):
+        torch.manual_seed(7 if phase == "load" else 0)
+        net = _Outer(model(r + (7 if phase == "load" else 0)))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        net.body.with_bagua([opt], ALGORITHMS["interval_2"](opt))
+        if phase == "load":
+            checkpoint.load(root, net, opt)
+        steps = {"reference": N + M, "save": N, "load": M}[phase]
+        out.append(_train(net, opt, steps))
+        if phase == "save":
+            checkpoint.save(root, net, opt)
+    return all(torch.equal(a, b) for a, b in zip(out[0], out[2], strict=True))
+
+
+def test_a_wrapped_submodule_resumes_exactly_with_its_parent(tmp_path):
+    assert run_distributed(_submodule_resume, 3, args=(str(tmp_path),)) == [True] * 3
+
+
+def _save_low_precision(root):
+    bagua.init_process_group()
+    net, opt = _job("low_precision", 0, False)
+    _train(net, opt, N)
+    checkpoint.save(root, net, opt)
+
+
+def _resized_low_precision(root):
+    bagua.init_process_group()
+    net, opt = _job("low_precision", 7, False)
+    checkpoint.load(root, net, opt, resize=True)
+    loaded = [p.detach().clone() for p in net.parameters()]
+    bucket = net.bagua_buckets[0]
+    replicas = [bucket._weight, bucket._left_peer_weight, bucket._right_peer_weight]
+    in_step = all(torch.equal(rep, bucket.pack()) for rep in replicas)
+    for group in opt.param_groups:
+        group["lr"], group["momentum"] = 0.0, 0.0
+    after = _train(net, opt, M)  # gossip alone: the ranks agree, so nothing moves
+    drift = max(float((a - b).abs().max()) for a, b in zip(loaded, after, strict=True))
+    return in_step, drift
+
+
+def test_a_resized_facade_checkpoint_starts_the_replicas_at_the_average(tmp_path):
+    run_distributed(_save_low_precision, 3, args=(str(tmp_path),))
+    for in_step, drift in run_distributed(_resized_low_precision, 2, args=(str(tmp_path),)):
+        assert in_step and drift < 1e-6, drift
+
+
+def _other_algorithm(root):
+    bagua.init_process_group()
+    net, opt = _job("shift_one", 0, False)
+    checkpoint.save(root, net, opt)
+    net, opt = _job("gradient_allreduce", 0, False)
+    try:
+        checkpoint.load(root, net, opt)
+    except ValueError as err:
+        return str(err)
+
+
+def test_a_checkpoint_of_another_algorithm_is_refused(tmp_path):
+    for message in run_distributed(_other_algorithm, 2, args=(str(tmp_path),)):
+        assert "saved by DecentralizedAlgorithmImpl(peer_selection_mode='shift_one')" in message
+        assert "this module runs GradientAllReduceAlgorithmImpl" in message
+
+
 def _unwrapped_load(root):
     bagua.init_process_group()
     net, opt = _job("shift_one", 0, False)

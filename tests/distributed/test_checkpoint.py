@@ -267,9 +267,19 @@ def test_a_wrapper_loads_only_its_own_kind_and_does_not_resize(errors):
 
 def test_attach_checks_its_arguments():
     model = _net()
-    with pytest.raises(TypeError, match="module must be an nn.Module; got 'm'"):
+    with pytest.raises(TypeError, match=re.escape("module must be an nn.Module; got 'm'")):
         checkpoint.attach("m", "x", torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(TypeError, match="name must be a str; got 3"):
         checkpoint.attach(model, 3, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(TypeError, match="stateful must have state_dict"):
+    with pytest.raises(TypeError, match="stateful must be an object with state_dict"):
         checkpoint.attach(model, "x", object())
+    with pytest.raises(TypeError, match="stateful must be an object with state_dict"):
+        checkpoint.attach(model, "x", torch.optim.lr_scheduler.StepLR)  # the class
+
+
+def test_a_model_with_other_entries_is_refused_naming_them(tmp_path):
+    model = _net()
+    checkpoint.save(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    wrapped = nn.Sequential(_net())  # as a DDP-style wrapper: "0.0.weight" for "0.weight"
+    with pytest.raises(ValueError, match=r"it lacks \['0.0.bias', '0.0.weight'"):
+        checkpoint.load(tmp_path, wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gossamer import context, ops
+from gossamer.checkpoint._attached import attach, load_attached
 from gossamer.checkpoint._auto import AutoResume
 from gossamer.checkpoint._files import (
     MANIFEST,
@@ -49,12 +50,10 @@ from gossamer.checkpoint._files import (
 from gossamer.checkpoint._resize import averaged_payload
 from gossamer.checkpoint._state import (
     WRAPPERS,
-    attach,
     capture,
     check_fit,
     check_plain,
     decentralized,
-    load_attached,
     set_rng,
 )
 from gossamer.checkpoint._survivors import survivors_begin, survivors_save
@@ -257,7 +256,7 @@ def load(
             optimizer.communicator.rebind(optimizer.buckets)
         else:
             optimizer.load_state_dict(payload["optimizer"])
-            load_attached(models, payload.get("attached", [{}] * len(models)))
+        load_attached(models, payload.get("attached", [{}] * len(models)), resized)
         if restore_rng and not resized:
             set_rng(payload["rng"])
     except Exception as err:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import random
-import weakref
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from gossamer.checkpoint._attached import attached_states, check_attached
 from gossamer.checkpoint._files import FORMAT, FORMAT_VERSION
 from gossamer.optim.base import DecentralizedOptimizer
 from gossamer.optim.cocofl import CoCoFL
@@ -17,12 +17,10 @@ from gossamer.optim.skewscout import SkewScout
 
 __all__ = [
     "WRAPPERS",
-    "attach",
     "capture",
     "check_fit",
     "check_plain",
     "decentralized",
-    "load_attached",
     "set_rng",
 ]
 
@@ -60,40 +58,6 @@ def _plain_key(key: object) -> bool:
     return isinstance(key, str | int | float | bool | type(None))
 
 
-_ATTACHED: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
-
-
-def attach(module: nn.Module, name: str, stateful: Any) -> None:
-    """Save ``stateful.state_dict()`` with ``module``; load it back after the module's state.
-
-    For communication state that lives beside a model, not in its optimizer: the Bagua
-    facade's engine (its step counter and replicas). Attaching again under ``name``
-    replaces the previous object.
-
-    Raises:
-        TypeError: ``module`` is not an ``nn.Module``, ``name`` not a str, or ``stateful``
-            has no ``state_dict()`` and ``load_state_dict()``.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module; got {module!r}")
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str; got {name!r}")
-    if not all(callable(getattr(stateful, m, None)) for m in ("state_dict", "load_state_dict")):
-        raise TypeError(f"stateful must have state_dict() and load_state_dict(); got {stateful!r}")
-    _ATTACHED.setdefault(module, {})[name] = stateful
-
-
-def _attached_states(module: nn.Module) -> dict[str, Any]:
-    return {name: obj.state_dict() for name, obj in _ATTACHED.get(module, {}).items()}
-
-
-def load_attached(models: list[nn.Module], saved: list[dict]) -> None:
-    """Load each model's attached objects from the states :func:`capture` saved."""
-    for module, states in zip(models, saved, strict=True):
-        for name, state in states.items():
-            _ATTACHED[module][name].load_state_dict(state)
-
-
 def capture(
     rank: int,
     size: int,
@@ -106,7 +70,7 @@ def capture(
     # The optimizer first: its state_dict() lands the combines in flight in the parameters.
     optimizer_state = optimizer.state_dict()
     model_states = [m.state_dict() for m in models]
-    attached = [_attached_states(m) for m in models]
+    attached = attached_states(models)
     check_plain(optimizer_state, "the optimizer's state_dict()")
     check_plain(model_states, "the model's state_dict()")
     check_plain(attached, "the model's attached state")
@@ -188,15 +152,16 @@ def check_fit(payload: dict, single: bool, models: list[nn.Module], optimizer: o
             f"the checkpoint was saved with a torch.optim.{inner}; optimizer steps with a "
             f"torch.optim.{_inner_class(optimizer)}"
         )
-    for k, states in enumerate(payload.get("attached", [])):  # absent in older checkpoints
-        missing = sorted(set(states) - set(_ATTACHED.get(models[k], {})))
-        if missing:
-            raise ValueError(
-                f"the checkpoint holds state attached to model {k} as {missing} (with_bagua "
-                "attaches 'bagua'); that model has none: set it up as saved before loading"
-            )
+    check_attached(payload.get("attached", []), models)  # absent in older checkpoints
     for module, state in zip(models, [saved] if single else saved, strict=True):
-        for key, value in module.state_dict().items():
+        own = module.state_dict()
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:  # a DDP-style wrapper's "module." keys against its module's
+            raise ValueError(
+                f"the checkpoint's model entries do not match the model's: it lacks "
+                f"{missing[:4]} and has {unexpected[:4]} that the model does not"
+            )
+        for key, value in own.items():
             got = state.get(key)
             if isinstance(got, torch.Tensor) and got.shape != value.shape:
                 raise ValueError(

@@ -95,9 +95,9 @@ class CoCoFL:
 
     Raises:
         TypeError: a frozen name is not an ``nn.Linear`` or an argument has the wrong type.
-        ValueError: a frozen name is not in the model, or (constrained) its layer is not on
-            the CPU, a count is out of range, or the optimizer has parameters the model does
-            not own.
+        ValueError: a frozen name is not in the model, or (constrained) its layer is not
+            float32 on the CPU, a count is out of range, or the optimizer has parameters the
+            model does not own.
 
     Example:
         >>> sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -155,11 +155,12 @@ class CoCoFL:
                     f"frozen layer {name!r} is a {type(modules[name]).__name__}; only nn.Linear "
                     "layers can be frozen (dynamic int8 quantization)"
                 )
-            device = modules[name].weight.device
-            if constrained and device.type != "cpu":
+            weight = modules[name].weight
+            if constrained and (weight.device.type != "cpu" or weight.dtype != torch.float32):
                 raise ValueError(
-                    f"frozen layer {name!r} is on {device}; torch's dynamic int8 quantization, "
-                    "which runs a frozen layer, runs on the CPU only"
+                    f"frozen layer {name!r} is {weight.dtype} on {weight.device}; torch's "
+                    "dynamic int8 quantization, which runs a frozen layer, takes float32 "
+                    "layers on the CPU only"
                 )
         self.optimizer = optimizer
         self.model = model

@@ -333,16 +333,26 @@ class BaguaDistributedDataParallel:
         """
         self._bagua_backend.wait_pending_comm_ops()
         buckets = [bucket.state_dict() for bucket in self.bagua_buckets]
-        return {"step": self.bagua_train_step_counter, "buckets": buckets}
+        return {
+            "algorithm": self._algorithm_name(),
+            "step": self.bagua_train_step_counter,
+            "buckets": buckets,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (same algorithm and buckets).
 
         Raises:
-            ValueError: ``state`` is not from :meth:`state_dict` or has other buckets.
+            ValueError: ``state`` is not from :meth:`state_dict`, or from another algorithm
+                (or peer selection mode), or has other buckets.
         """
-        if not isinstance(state, dict) or {"step", "buckets"} - set(state):
+        if not isinstance(state, dict) or {"algorithm", "step", "buckets"} - set(state):
             raise ValueError("state must be a dict from BaguaDistributedDataParallel.state_dict()")
+        if state["algorithm"] != self._algorithm_name():
+            raise ValueError(
+                f"state was saved by {state['algorithm']}; this module runs "
+                f"{self._algorithm_name()}"
+            )
         if len(state["buckets"]) != len(self.bagua_buckets):
             raise ValueError(
                 f"state holds {len(state['buckets'])} buckets; this module has "
@@ -352,6 +362,20 @@ class BaguaDistributedDataParallel:
         self.bagua_train_step_counter = int(state["step"])
         self._saved_buckets = state["buckets"]
         self._load_buckets()
+
+    def rebind(self) -> None:
+        """Start the buckets' communication state anew from the module's weights.
+
+        :func:`gossamer.checkpoint.load` calls it after a resized load (the average of
+        another number of ranks), where no saved rank's replicas fit.
+        """
+        self._bagua_backend.wait_pending_comm_ops()
+        self._reset_buckets()
+
+    def _algorithm_name(self) -> str:
+        mode = getattr(self.bagua_algorithm, "peer_selection_mode", None)
+        name = type(self.bagua_algorithm).__name__
+        return name if mode is None else f"{name}(peer_selection_mode={mode!r})"
 
     def _load_buckets(self) -> None:
         """Load the saved bucket states once the buckets have the saved operations.

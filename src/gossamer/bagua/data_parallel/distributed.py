@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossamer import checkpoint
 from gossamer.bagua._groups import BaguaProcessGroup, default_group, from_torch_group
 from gossamer.bagua.algorithms.base import Algorithm
 from gossamer.bagua.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
@@ -103,7 +102,6 @@ class DistributedDataParallel_V1_9_0(nn.Module):
         )
         module._bagua_module_name = name
         self.module = module
-        checkpoint.attach(self, "bagua", self.inner)  # as on the module, for either to save
         self.device = next(module.parameters()).device
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
