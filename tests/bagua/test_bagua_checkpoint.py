@@ -70,10 +70,11 @@ def _resume(root, names, ddp):
         results = []
         for control in (False, True):
             net, opt = _job(name, 7, ddp)
-            fresh = net.bagua_ddp.state_dict() if not ddp else net.inner.state_dict()
+            engine = net.inner if ddp else net.bagua_ddp
+            fresh = engine.state_dict()
             checkpoint.load(f"{root}/{name}", net, opt)
             if control:  # the facade's own state as a new job has it
-                (net.inner if ddp else net.bagua_ddp).load_state_dict(fresh)
+                engine.load_state_dict(fresh)
             got = _train(net, opt, M)
             results.append(all(torch.equal(a, b) for a, b in zip(reference, got, strict=True)))
         out[name] = results

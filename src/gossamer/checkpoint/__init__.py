@@ -256,7 +256,7 @@ def load(
             optimizer.communicator.rebind(optimizer.buckets)
         else:
             optimizer.load_state_dict(payload["optimizer"])
-        load_attached(models, payload.get("attached", [{}] * len(models)), resized)
+        load_attached(models, payload.get("attached", []), resized)
         if restore_rng and not resized:
             set_rng(payload["rng"])
     except Exception as err:

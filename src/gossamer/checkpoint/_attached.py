@@ -57,7 +57,10 @@ def attached_states(models: list[nn.Module]) -> list[dict[str, Any]]:
 
 
 def check_attached(saved: list[dict], models: list[nn.Module]) -> None:
-    """Raise ValueError where the checkpoint holds attached state that a model lacks."""
+    """Raise ValueError where the checkpoint holds attached state that a model lacks.
+
+    ``saved`` is empty for a checkpoint written before attaching existed.
+    """
     for k, (states, model) in enumerate(zip(saved, models, strict=False)):
         missing = sorted(set(states) - set(_attached(model)))
         if missing:
@@ -69,7 +72,7 @@ def check_attached(saved: list[dict], models: list[nn.Module]) -> None:
 
 def load_attached(models: list[nn.Module], saved: list[dict], resized: bool) -> None:
     """Load each model's attached objects, or (after a resize) rebind them to the model."""
-    for model, states in zip(models, saved, strict=True):
+    for model, states in zip(models, saved, strict=False):  # saved: as for check_attached
         objects = _attached(model)
         for key, state in states.items():
             if not resized:
