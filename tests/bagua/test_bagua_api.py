@@ -37,6 +37,7 @@ BAGUA = {
     "is_initialized": [],
     "new_group": [("ranks", None), ("stream", None)],
     "from_torch_group": [("group", R), ("stream", None)],
+    "get_communicator": [("group_name", R), ("comm_name", R)],
     "send": [("tensor", R), ("dst", R), ("comm", None)],
     "recv": [("tensor", R), ("src", R), ("comm", None)],
     "broadcast": [("tensor", R), ("src", 0), ("comm", None)],

@@ -6,7 +6,9 @@ communicators (:mod:`gossamer.bagua.communicators`, subclasses of
 :class:`gossamer.communicators.Communicator`), buckets on :mod:`gossamer.fusion`,
 compression on :mod:`gossamer.compression`, machines on gossamer's rank layout. Importing
 the package adds ``with_bagua`` (and the ``bagua_*`` properties) to ``torch.nn.Module`` and
-the ``ensure_bagua_tensor`` family to ``torch.Tensor``, as Bagua does. Differences from
+the ``ensure_bagua_tensor`` family to ``torch.Tensor`` and ``bagua_patch`` (with
+``bagua_pg`` and ``bagua_get_*_communicator``) to ``torch.distributed.ProcessGroup``, as
+Bagua does. Differences from
 Bagua are listed in ``docs/bagua-migration.md``: CPU tensors work (gloo), ``shift_one``
 takes any number of ranks, there is no autotune service.
 
@@ -24,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-from gossamer.bagua import algorithms, communication, communicators, data_parallel, env
+from gossamer.bagua import _groups, algorithms, communication, communicators, data_parallel, env
 from gossamer.bagua import distributed as _distributed
 from gossamer.bagua import tensor as _tensor
 from gossamer.bagua.communication import (
@@ -103,6 +105,7 @@ __all__ = [
     "send",
 ]
 
-# As in Bagua, importing the package patches torch.nn.Module and torch.Tensor.
+# As in Bagua, importing the package patches torch.nn.Module, torch.Tensor and ProcessGroup.
 _distributed.install()
 _tensor.install()
+_groups.install()

@@ -194,6 +194,17 @@ def alltoall_inplace(tensor: torch.Tensor, comm: BaguaCommunicator | None = None
     alltoall(tensor, tensor, comm)
 
 
+def _displacements(displs: list[int], name: str, size: int) -> list[int]:
+    """The first ``size`` displacements; ValueError unless there are ``size`` or ``size + 1``."""
+    displs = list(displs)
+    if len(displs) not in (size, size + 1):
+        raise ValueError(
+            f"alltoall_v: {name} must have {size} or {size + 1} entries (one per rank, and "
+            f"optionally the end); got {len(displs)}: {displs}"
+        )
+    return displs[:size]
+
+
 def alltoall_v(
     send_tensor: torch.Tensor,
     send_counts: list[int],
@@ -206,7 +217,9 @@ def alltoall_v(
     """:func:`alltoall` with per-rank counts and displacements.
 
     Rank ``j`` gets ``send_tensor[send_displs[j]:][:send_counts[j]]``; what rank ``i`` sent
-    lands at ``recv_tensor[recv_displs[i]:][:recv_counts[i]]``.
+    lands at ``recv_tensor[recv_displs[i]:][:recv_counts[i]]``. A displacement list may
+    have one entry more than the group has ranks (the end offset, as in Bagua's example);
+    only the first ``nranks`` entries are read, as Bagua does.
     """
     c = resolve(comm)
     if c is None:
@@ -215,6 +228,8 @@ def alltoall_v(
         numel_of(recv_tensor, "recv_tensor", "alltoall_v")
         if not recv_tensor.is_contiguous():
             raise ValueError("alltoall_v: recv_tensor must be contiguous")
+        send_displs = _displacements(send_displs, "send_displs", c.nranks())
+        recv_displs = _displacements(recv_displs, "recv_displs", c.nranks())
     got = ops.alltoall_v(
         send_tensor.reshape(-1),
         send_counts=list(send_counts),

@@ -26,6 +26,8 @@ __all__ = [
     "comm",
     "default_group",
     "from_torch_group",
+    "get_communicator",
+    "install",
     "new_group",
     "resolve",
 ]
@@ -101,6 +103,7 @@ class BaguaProcessGroup:
         self.group_name = group_name
         self.torch_group = torch_group
         self._communicators: dict[str, Any] = {}
+        state().groups[group_name] = self
 
     @property
     def is_world(self) -> bool:
@@ -124,6 +127,8 @@ class BaguaProcessGroup:
 
     def get_intra_node_communicator(self) -> Any:
         """The communicator over the group's ranks on this machine (collective on first use)."""
+        if not self.ranks:
+            return CommMember.NON_COMM_MEMBER
         if "intra" not in self._communicators:
             self._communicators["intra"] = _subgroups(self._machine_lists())
         return self._communicators["intra"]
@@ -133,6 +138,8 @@ class BaguaProcessGroup:
 
         Other ranks get ``CommMember.NON_COMM_MEMBER``.
         """
+        if not self.ranks:
+            return CommMember.NON_COMM_MEMBER
         if "inter" not in self._communicators:
             leaders = [ranks[0] for ranks in self._machine_lists()]
             self._communicators["inter"] = _subgroups([leaders])
@@ -156,6 +163,7 @@ def new_group(
     """Create a process group over ``ranks`` (all ranks when None).
 
     Every process must call it, in the same order, members or not (as in Bagua and torch).
+    ``ranks=[]`` gives a group that no rank is a member of (torch makes no group for it).
 
     Raises:
         ValueError: a rank outside ``[0, world size)``.
@@ -169,18 +177,48 @@ def new_group(
     def body() -> dist.ProcessGroup | None:
         return dist.new_group(chosen, timeout=timedelta(seconds=context.timeout()))
 
-    group = transport.run("new_group", body, False)
+    group = transport.run("new_group", body, False) if chosen else None
     return BaguaProcessGroup(chosen, stream, str(next(state().group_ids)), torch_group=group)
 
 
 def from_torch_group(
     group: dist.ProcessGroup, stream: torch.cuda.Stream | None = None
 ) -> BaguaProcessGroup:
-    """The Bagua process group that communicates over the torch process group ``group``."""
+    """The Bagua process group that communicates over the torch process group ``group``.
+
+    On a rank outside ``group`` torch's ``new_group`` returned
+    ``GroupMember.NON_GROUP_MEMBER``; that gives a group this rank is not a member of (its
+    members are not known here, so ``ranks`` is empty).
+    """
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return BaguaProcessGroup([], stream, str(next(state().group_ids)))
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup; got {group!r}")
     ranks = sorted(dist.get_process_group_ranks(group))
     return BaguaProcessGroup(ranks, stream, str(next(state().group_ids)), torch_group=group)
+
+
+_COMMUNICATORS = {
+    "global": BaguaProcessGroup.get_global_communicator,
+    "inter": BaguaProcessGroup.get_inter_node_communicator,
+    "intra": BaguaProcessGroup.get_intra_node_communicator,
+}
+
+
+def get_communicator(group_name: str, comm_name: str) -> Any:
+    """Communicator ``comm_name`` (``"global"``, ``"inter"``, ``"intra"``) of the named group.
+
+    Raises:
+        ValueError: an unknown ``comm_name``.
+        KeyError: no group has the name ``group_name``.
+    """
+    if comm_name not in _COMMUNICATORS:
+        raise ValueError(f"comm_name must be one of {sorted(_COMMUNICATORS)}; got {comm_name!r}")
+    default_group()  # made on first use; it registers itself
+    group = state().groups.get(group_name)
+    if group is None:
+        raise KeyError(f"no Bagua process group is named {group_name!r}")
+    return _COMMUNICATORS[comm_name](group)
 
 
 def resolve(comm_: object) -> BaguaCommunicator | None:
@@ -194,8 +232,8 @@ def resolve(comm_: object) -> BaguaCommunicator | None:
     elif isinstance(comm_, BaguaProcessGroup):
         comm_ = comm_.get_global_communicator()
     elif isinstance(comm_, dist.ProcessGroup):
-        comm_ = from_torch_group(comm_).get_global_communicator()
-    if comm_ is CommMember.NON_COMM_MEMBER:
+        comm_ = comm_.bagua_patch().bagua_get_global_communicator()
+    if comm_ is CommMember.NON_COMM_MEMBER or comm_ is dist.GroupMember.NON_GROUP_MEMBER:
         return None
     if not isinstance(comm_, BaguaCommunicator):
         raise TypeError(
@@ -203,3 +241,45 @@ def resolve(comm_: object) -> BaguaCommunicator | None:
             f"group or None; got {comm_!r}"
         )
     return comm_
+
+
+class ProcessGroupPatch:
+    """What Bagua adds to ``torch.distributed.ProcessGroup``: its Bagua twin, made once."""
+
+    def bagua_patch(self, stream: torch.cuda.Stream | None = None) -> dist.ProcessGroup:
+        """Make (once) the Bagua process group of this torch group; return this group."""
+        twins = state().torch_groups
+        if self not in twins:
+            twins[self] = from_torch_group(self, stream)
+        return self
+
+    @property
+    def bagua_pg(self) -> BaguaProcessGroup:
+        """The Bagua process group made by :meth:`bagua_patch`.
+
+        Raises:
+            RuntimeError: ``bagua_patch()`` was not called on this group.
+        """
+        twin = state().torch_groups.get(self)
+        if twin is None:
+            raise RuntimeError(f"call bagua_patch() on {self!r} before using its Bagua group")
+        return twin
+
+    def bagua_get_global_communicator(self) -> Any:
+        """``self.bagua_pg.get_global_communicator()``."""
+        return self.bagua_pg.get_global_communicator()
+
+    def bagua_get_inter_node_communicator(self) -> Any:
+        """``self.bagua_pg.get_inter_node_communicator()``."""
+        return self.bagua_pg.get_inter_node_communicator()
+
+    def bagua_get_intra_node_communicator(self) -> Any:
+        """``self.bagua_pg.get_intra_node_communicator()``."""
+        return self.bagua_pg.get_intra_node_communicator()
+
+
+def install() -> None:
+    """Add :class:`ProcessGroupPatch`'s members to ``torch.distributed.ProcessGroup``."""
+    for name, member in vars(ProcessGroupPatch).items():
+        if name.startswith("bagua_"):
+            setattr(dist.ProcessGroup, name, member)

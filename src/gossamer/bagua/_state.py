@@ -25,6 +25,9 @@ class BaguaState:
 
     default_group: Any = None  # BaguaProcessGroup over the world, made on first use
     group_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    groups: dict[str, Any] = field(default_factory=dict)  # group name -> BaguaProcessGroup
+    # torch group -> its BaguaProcessGroup (ProcessGroup.bagua_patch)
+    torch_groups: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     # module name -> its BaguaDistributedDataParallel (weakly: a dropped model goes away)
     models: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
     closers: list[Callable[[], None]] = field(default_factory=list)  # background loops

@@ -57,7 +57,9 @@ from gossamer.bagua._groups import (
     BaguaProcessGroup,
     CommMember,
     comm,
+    default_group,
     from_torch_group,
+    get_communicator,
     new_group,
     resolve,
 )
@@ -85,6 +87,7 @@ __all__ = [
     "gather",
     "gather_inplace",
     "get_backend",
+    "get_communicator",
     "init_process_group",
     "is_initialized",
     "new_group",
@@ -153,6 +156,30 @@ def is_initialized() -> bool:
 
 def _comm(comm_: object) -> BaguaCommunicator | None:
     return resolve(comm_)
+
+
+def _get_default_group() -> BaguaProcessGroup:
+    """The default group (all ranks), as Bagua's private helper of the same name.
+
+    Raises:
+        RuntimeError: before :func:`init_process_group`.
+    """
+    if not is_initialized():
+        raise RuntimeError(
+            "Default process group has not been initialized, "
+            "please make sure to call init_process_group."
+        )
+    return default_group()
+
+
+def _rank_not_in_comm(comm: object = None) -> bool:
+    """True when ``comm`` is ``CommMember.NON_COMM_MEMBER`` (None: the default group)."""
+    return comm is CommMember.NON_COMM_MEMBER
+
+
+def _rank_not_in_group(group: BaguaProcessGroup | None = None) -> bool:
+    """True when this rank is not a member of ``group`` (None: the default group)."""
+    return group is not None and _rank_not_in_comm(group.get_global_communicator())
 
 
 def send(tensor: torch.Tensor, dst: int, comm: BaguaCommunicator | None = None) -> None:
