@@ -438,3 +438,87 @@ def _atc_after_a_failed_round():
 
 def test_atc_trains_on_after_a_round_that_failed():
     assert run_distributed(_atc_after_a_failed_round, 2) == [True, True]
+
+
+# ---------------------------------------------------------------------- local aggregation
+def _local_aggregation(kind, passes, steps, J, resume_at=None):
+    """``passes`` mini-batches (each loss / passes) before every step(), BlueFog's FAQ.
+
+    With ``resume_at``, the optimizer is rebuilt from its ``state_dict()`` after that step.
+    """
+    bf.init()
+    A, b = least_squares_data(bf.rank())
+    model = linear_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    C = bf.CommunicationType
+    make = {
+        "awc": lambda: bf.DistributedAdaptWithCombineOptimizer(base, model, C.allreduce, J),
+        "atc": lambda: bf.DistributedAdaptThenCombineOptimizer(base, model, C.allreduce, J),
+        "win-put": lambda: bf.DistributedWinPutOptimizer(base, model, J),
+    }[kind]
+    opt = make()
+    for step in range(steps):
+        if step == resume_at:
+            state = opt.state_dict()
+            opt.close()
+            opt = make()
+            opt.load_state_dict(state)
+        opt.zero_grad()
+        for A_part, b_part in zip(A.chunk(passes), b.chunk(passes), strict=True):
+            (least_squares_loss(model, A_part, b_part) / passes).backward()
+        opt.step()
+    opt.synchronize()
+    rounds = opt.communicator.rounds
+    if kind == "win-put":
+        opt.unregister_window()
+    return rounds, model.weight.detach().squeeze(0).clone()
+
+
+def _simulated(kind, n, passes, steps, J):
+    """The same training of n ranks in one process: x <- mean(x) on communicating steps."""
+    data = [least_squares_data(r) for r in range(n)]
+    xs = [torch.zeros(D, dtype=torch.float64) for _ in range(n)]
+    count = 0
+    for _ in range(steps):
+        count += passes
+        grads = []
+        for x, (A, b) in zip(xs, data, strict=True):
+            parts = zip(A.chunk(passes), b.chunk(passes), strict=True)
+            grads.append(sum(a.T @ (a @ x - c) / len(c) for a, c in parts) / passes)
+        if count < J:
+            xs = [x - 0.1 * g for x, g in zip(xs, grads, strict=True)]
+            continue
+        count = 0
+        if kind == "awc":  # combine the point the gradient was taken at, then step
+            mean = sum(xs) / n
+            xs = [mean - 0.1 * g for g in grads]
+        else:  # atc: step, then combine
+            stepped = [x - 0.1 * g for x, g in zip(xs, grads, strict=True)]
+            xs = [sum(stepped) / n] * n
+    return xs
+
+
+@pytest.mark.parametrize(("n", "passes", "J"), [(2, 3, 3), (3, 2, 2), (2, 1, 2), (3, 2, 4)])
+@pytest.mark.parametrize("kind", ["awc", "atc"])
+def test_local_aggregation_communicates_once_per_J_passes(kind, n, passes, J):
+    steps = 6
+    got = run_distributed(partial(_local_aggregation, kind, passes, steps, J), n)
+    expected = _simulated(kind, n, passes, steps, J)
+    for r, (rounds, weight) in enumerate(got):
+        assert rounds == steps * passes // J
+        torch.testing.assert_close(weight, expected[r])
+
+
+@pytest.mark.parametrize(("passes", "J"), [(3, 3), (1, 2)])
+def test_local_aggregation_of_win_put_counts_forward_passes(passes, J):
+    for rounds, _ in run_distributed(partial(_local_aggregation, "win-put", passes, 6, J), 2):
+        assert rounds == 6 * passes // J
+
+
+@pytest.mark.parametrize("kind", ["awc", "atc"])
+def test_local_aggregation_resumes_mid_period(kind):
+    # 2 passes per step, J = 4: a round every 2nd step; the state is taken between them
+    reference = run_distributed(partial(_local_aggregation, kind, 2, 5, 4), 2)
+    resumed = run_distributed(partial(_local_aggregation, kind, 2, 5, 4, resume_at=3), 2)
+    for (_, expected), (_, got) in zip(reference, resumed, strict=True):
+        assert torch.equal(got, expected)

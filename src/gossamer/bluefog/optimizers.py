@@ -178,6 +178,83 @@ class _BlueFogOptimizer(DecentralizedOptimizer):
             handle.remove()
 
 
+class _Passes(_BlueFogOptimizer):
+    """BlueFog's local aggregation: ``num_steps_per_communication`` counts passes, not steps.
+
+    A step communicates once ``J = num_steps_per_communication`` passes (forward passes for
+    AWC and win-put, backward passes for ATC, as BlueFog counts) have run since the last
+    step that communicated. One pass per :meth:`step` communicates every J-th step; J passes
+    per :meth:`step` (BlueFog's FAQ: accumulate J mini-batches) communicate at every step.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._passes: int | None = None  # None: derived from steps (fresh, or after a resize)
+        super().__init__(*args, **kwargs)
+
+    def _pass_count(self) -> int:
+        """Passes since the last step that communicated."""
+        if self._passes is None:  # one pass per step so far
+            return self.steps % self.num_steps_per_communication
+        return self._passes
+
+    def _count_pass(self) -> None:
+        self._passes = self._pass_count() + 1
+
+    def _is_round(self) -> bool:
+        return self._pass_count() >= self.num_steps_per_communication
+
+    def step(self, closure: Any = None) -> Any:
+        """The core step; a step that communicated starts the pass count again."""
+        communicated = self._is_round()
+        loss = super().step(closure)
+        if communicated:
+            self._passes = 0
+        return loss
+
+    def _comm_state(self) -> dict:
+        return {**super()._comm_state(), "passes": self._pass_count()}
+
+    def _load_comm_state(self, state: dict) -> None:
+        super()._load_comm_state(state)
+        self._passes = int(state["passes"]) if "passes" in state else None
+
+
+class _ForwardPasses(_Passes):
+    """Count the training-mode forward passes (gradients enabled) of the first model."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Before the core's own pre-hook, which asks _is_round() whether to start the round.
+        self._hooks.append(
+            self.models[0].register_forward_pre_hook(self._count_forward, prepend=True)
+        )
+
+    def _count_forward(self, module: nn.Module, inputs: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._count_pass()
+
+
+class _BackwardPasses(_Passes):
+    """Count backward passes: a parameter's gradient arriving twice begins a new one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._seen: set[int] = set()  # ids of the parameters whose gradient arrived
+        super().__init__(*args, **kwargs)
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if not self._no_sync:
+            if not self._seen or id(param) in self._seen:
+                self._seen.clear()
+                self._count_pass()
+            self._seen.add(id(param))
+        super()._grad_ready(param)
+
+    def step(self, closure: Any = None) -> Any:
+        """The core step; the next gradient begins a new backward pass."""
+        self._seen.clear()
+        return super().step(closure)
+
+
 def _knob(name: str, doc: str) -> property:
     """A property for BlueFog's knob ``name``, passed on to the communicator of each round."""
 
@@ -207,7 +284,7 @@ _KNOB_TARGETS = {
 }
 
 
-class _Combine(_BlueFogOptimizer):
+class _Combine(_Passes):
     """BlueFog's AWC and ATC knobs, handed to the core communicator the enum names."""
 
     def __init__(
@@ -265,18 +342,19 @@ class _Combine(_BlueFogOptimizer):
         self._apply_knobs()
 
 
-class DistributedAdaptWithCombineOptimizer(_Combine, AdaptWithCombine):
+class DistributedAdaptWithCombineOptimizer(_ForwardPasses, _Combine, AdaptWithCombine):
     r"""BlueFog's AWC optimizer: :math:`x^{+} = W x - \eta\, g(x)`, on :class:`AdaptWithCombine`.
 
-    The combine starts before the forward pass of every ``num_steps_per_communication``-th
-    step and overlaps the backward pass; :meth:`step` waits for it and takes the wrapped
-    optimizer's step with the gradient of the pre-combine point.
+    The combine starts before the ``num_steps_per_communication``-th training forward pass
+    since the last combine and overlaps the backward pass; :meth:`step` waits for it and
+    takes the wrapped optimizer's step with the gradient of the pre-combine point.
 
     Args:
         optimizer (torch.optim.Optimizer): any torch optimizer of the model's parameters.
         model (nn.Module | list[nn.Module]): the model(s) owning them.
         communication_type (CommunicationType): the combine.
-        num_steps_per_communication (int): combine on every this many steps.
+        num_steps_per_communication (int): combine once per this many forward
+            passes (one per step: every this many steps; that many per step: every step).
 
     Raises:
         ValueError: a bad ``communication_type`` or count, or optimizer parameters that are
@@ -284,7 +362,7 @@ class DistributedAdaptWithCombineOptimizer(_Combine, AdaptWithCombine):
     """
 
 
-class DistributedAdaptThenCombineOptimizer(_Combine, AdaptThenCombine):
+class DistributedAdaptThenCombineOptimizer(_BackwardPasses, _Combine, AdaptThenCombine):
     r"""BlueFog's ATC optimizer: :math:`x^{+} = W (x - \eta\, g(x))`, on :class:`AdaptThenCombine`.
 
     :meth:`step` takes the wrapped optimizer's own step (any torch optimizer, no
@@ -295,7 +373,8 @@ class DistributedAdaptThenCombineOptimizer(_Combine, AdaptThenCombine):
         optimizer (torch.optim.Optimizer): any torch optimizer of the model's parameters.
         model (nn.Module | list[nn.Module]): the model(s) owning them.
         communication_type (CommunicationType): the combine.
-        num_steps_per_communication (int): combine on every this many steps.
+        num_steps_per_communication (int): combine once per this many backward
+            passes (one per step: every this many steps; that many per step: every step).
     """
 
 
@@ -321,7 +400,7 @@ class DistributedGradientAllreduceOptimizer(_BlueFogOptimizer, GradientAllreduce
         return bool(self._pending) or any(self._arrivals.values())
 
 
-class DistributedWinPutOptimizer(_BlueFogOptimizer, WindowPut):
+class DistributedWinPutOptimizer(_ForwardPasses, WindowPut):
     """BlueFog's asynchronous win-put optimizer, on :class:`WindowPut`.
 
     After the forward pass the parameters are put into the out-neighbours' windows (to
@@ -332,7 +411,8 @@ class DistributedWinPutOptimizer(_BlueFogOptimizer, WindowPut):
     Args:
         optimizer (torch.optim.Optimizer): any torch optimizer of the model's parameters.
         model (nn.Module | list[nn.Module]): the model(s) owning them.
-        num_steps_per_communication (int): put on every this many steps.
+        num_steps_per_communication (int): put once per this many forward passes
+            (one per step: every this many steps; that many per step: every step).
         window_prefix (str, optional): accepted for compatibility; the core names the
             windows (``gossamer.live_windows()`` lists them).
 
@@ -382,7 +462,7 @@ class DistributedWinPutOptimizer(_BlueFogOptimizer, WindowPut):
         if self.force_barrier:
             gossamer.barrier()
         self.synchronize()
-        return WindowPut.step(self, closure)  # nothing in flight now: the local step
+        return super().step(closure)  # nothing in flight now: the local step
 
     def unregister_window(self) -> None:
         """Free the optimizer's windows (collective); it cannot communicate afterwards."""
