@@ -111,6 +111,8 @@ def _buffers_per_step():
         opt.step()
         (bucket,) = net.bagua_buckets
         out.append((next(m.parameters()).data_ptr(), bucket.check_flatten()))
+    with pytest.raises(AttributeError, match="no _peer_weight: DecentralizedAlgorithm swaps"):
+        _ = bucket._peer_weight  # Bagua's private buffer, not kept (one copy a round saved)
     return out
 
 

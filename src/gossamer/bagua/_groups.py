@@ -181,6 +181,11 @@ def new_group(
     return BaguaProcessGroup(chosen, stream, str(next(state().group_ids)), torch_group=group)
 
 
+def _torch_non_member(group: object) -> bool:
+    """Whether ``group`` is what torch's ``new_group`` gives a rank outside the group."""
+    return type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER
+
+
 def from_torch_group(
     group: dist.ProcessGroup, stream: torch.cuda.Stream | None = None
 ) -> BaguaProcessGroup:
@@ -190,7 +195,7 @@ def from_torch_group(
     ``GroupMember.NON_GROUP_MEMBER``; that gives a group this rank is not a member of (its
     members are not known here, so ``ranks`` is empty).
     """
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
+    if _torch_non_member(group):
         return BaguaProcessGroup([], stream, str(next(state().group_ids)))
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup; got {group!r}")
@@ -233,7 +238,7 @@ def resolve(comm_: object) -> BaguaCommunicator | None:
         comm_ = comm_.get_global_communicator()
     elif isinstance(comm_, dist.ProcessGroup):
         comm_ = comm_.bagua_patch().bagua_get_global_communicator()
-    if comm_ is CommMember.NON_COMM_MEMBER or comm_ is dist.GroupMember.NON_GROUP_MEMBER:
+    if comm_ is CommMember.NON_COMM_MEMBER or _torch_non_member(comm_):
         return None
     if not isinstance(comm_, BaguaCommunicator):
         raise TypeError(

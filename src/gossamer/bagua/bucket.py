@@ -217,7 +217,18 @@ class BaguaBucket:
         self._ops: list[_Op] = []
         self._ready: set[int] = set()
 
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for attributes the bucket does not have.
+        if name == "_peer_weight":
+            raise AttributeError(
+                "BaguaBucket has no _peer_weight: DecentralizedAlgorithm swaps the averaged "
+                "weights into the model after backward instead of keeping a copy of them "
+                "(see 'Not ported' in docs/bagua-migration.md)"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # ------------------------------------------------------------------ data
+
     def _in_place(self, index: int) -> bool:
         """Whether tensor ``index``'s effective tensor is its slice of the flat buffer."""
         effective = self._all[index].bagua_getter_closure()
