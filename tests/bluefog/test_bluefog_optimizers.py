@@ -522,3 +522,36 @@ def test_local_aggregation_resumes_mid_period(kind):
     resumed = run_distributed(partial(_local_aggregation, kind, 2, 5, 4, resume_at=3), 2)
     for (_, expected), (_, got) in zip(reference, resumed, strict=True):
         assert torch.equal(got, expected)
+
+
+def _atc_passes_over_two_heads(J, passes, heads_of_rank):
+    """ATC on a model of two heads, each backward pass reaching one head only."""
+    bf.init()
+    torch.manual_seed(0)
+    heads = nn.ModuleList([nn.Linear(3, 1), nn.Linear(3, 1)])
+    opt = bf.DistributedAdaptThenCombineOptimizer(
+        torch.optim.SGD(heads.parameters(), lr=0.1), heads, bf.CommunicationType.allreduce, J
+    )
+    pattern = heads_of_rank[bf.rank()]
+    try:
+        for _ in range(3):
+            opt.zero_grad()
+            for k in range(passes):
+                heads[pattern[k % len(pattern)]](torch.ones(2, 3)).sum().backward()
+            opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return opt.communicator.rounds
+
+
+def test_atc_counts_every_backward_pass_whatever_it_reaches():
+    # rank 0 reaches head 0 twice, rank 1 head 0 then head 1: both count 2 passes a step
+    got = run_distributed(partial(_atc_passes_over_two_heads, 2, 2, [[0, 0], [0, 1]]), 2)
+    assert got == [3, 3]
+
+
+def test_atc_refuses_a_backward_pass_after_the_one_that_communicated():
+    # 2 passes a step, J = 3: the round is taken in the first pass of the second step
+    got = run_distributed(partial(_atc_passes_over_two_heads, 3, 2, [[0], [0]]), 2)
+    assert all("backward pass 4 since the last communication" in text for text in got)
+    assert all("passes per step() that divides 3" in text for text in got)

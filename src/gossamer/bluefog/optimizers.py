@@ -215,8 +215,13 @@ class _Passes(_BlueFogOptimizer):
         return {**super()._comm_state(), "passes": self._pass_count()}
 
     def _load_comm_state(self, state: dict) -> None:
+        passes = state.get("passes")
+        if passes is not None and (
+            isinstance(passes, bool) or not isinstance(passes, int) or passes < 0
+        ):
+            raise ValueError(f"state['communication']['passes'] must be an int >= 0; got {passes}")
         super()._load_comm_state(state)
-        self._passes = int(state["passes"]) if "passes" in state else None
+        self._passes = passes
 
 
 class _ForwardPasses(_Passes):
@@ -235,24 +240,34 @@ class _ForwardPasses(_Passes):
 
 
 class _BackwardPasses(_Passes):
-    """Count backward passes: a parameter's gradient arriving twice begins a new one."""
+    """Count the backward passes that reach the parameters (each once, whatever it reaches).
+
+    ATC takes its local step and sends in the backward pass that completes the count, so a
+    further backward pass before :meth:`step` is refused: its gradient would miss the step.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._seen: set[int] = set()  # ids of the parameters whose gradient arrived
         super().__init__(*args, **kwargs)
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+        if params:  # mode "any": once per backward pass, at the first of these gradients
+            self._hooks.append(
+                torch.autograd.graph.register_multi_grad_hook(
+                    params, self._count_backward, mode="any"
+                )
+            )
 
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        if not self._no_sync:
-            if not self._seen or id(param) in self._seen:
-                self._seen.clear()
-                self._count_pass()
-            self._seen.add(id(param))
-        super()._grad_ready(param)
-
-    def step(self, closure: Any = None) -> Any:
-        """The core step; the next gradient begins a new backward pass."""
-        self._seen.clear()
-        return super().step(closure)
+    def _count_backward(self, grad: torch.Tensor) -> None:
+        if self._no_sync:
+            return
+        if self._is_round():
+            J = self.num_steps_per_communication
+            raise RuntimeError(
+                f"backward pass {self._pass_count() + 1} since the last communication, "
+                f"before step(): with num_steps_per_communication={J}, ATC takes its local "
+                f"step and communicates in backward pass {J}, so step() must follow it (run "
+                f"a number of backward passes per step() that divides {J})"
+            )
+        self._count_pass()
 
 
 def _knob(name: str, doc: str) -> property:
