@@ -151,3 +151,50 @@ def test_utils_flatten_in_one_process():
     assert calls == [torch.float32, torch.int64]
     utils.apply_flattened_call([floats], torch.Tensor.mul_, extra_args=[3.0])
     assert floats.tolist() == [3.0, 3.0, 3.0]
+
+
+def _refusals():
+    bagua.init_process_group()
+    r = bagua.get_rank()
+    out = {}
+    for key, ranks in (("str", "01"), ("float", [0.7, 1.2]), ("twice", [0, 0])):
+        with pytest.raises((TypeError, ValueError)) as info:
+            bagua.new_group(ranks)
+        out[key] = str(info.value)
+    # one rank's bad ranks: the others raise at once, naming it
+    with pytest.raises(Exception) as info:
+        bagua.new_group([0, 5] if r == 2 else [0, 1])
+    out["one_bad"] = (type(info.value).__name__, str(info.value))
+    # communicators of a group are made by its members alone: rank 0 asks for none
+    pair = bagua.from_torch_group(dist.new_group([1, 2]))
+    if r != 0:
+        intra = pair.get_intra_node_communicator()
+        t = torch.full((1,), float(r))
+        bagua.allreduce_inplace(t, comm=intra)
+        out["intra_sum"] = t.item()
+    out["after"] = bagua.new_group([0, 1, 2]).ranks  # every rank still in step
+    recv = torch.zeros(3)
+    with pytest.raises(ValueError) as info:
+        bagua.alltoall_v(torch.ones(3), [1, 1, 1], [0, 1, 2], recv, [1, 1, 1], [0, 1, 5])
+    out["landing"] = str(info.value)
+    with pytest.raises(TypeError) as info:
+        functional.all_reduce(torch.ones(1), group="world")
+    out["group_name"] = str(info.value)
+    return out
+
+
+def test_refused_arguments_name_themselves_and_keep_ranks_in_step():
+    for r, res in enumerate(run_distributed(_refusals, 3)):
+        assert "ranks must be a list of ints or None; got '01'" in res["str"]
+        assert "ranks must be a list of ints or None; got [0.7, 1.2]" in res["float"]
+        assert "ranks must not repeat a rank; got [0, 0]" in res["twice"]
+        kind, text = res["one_bad"]
+        if r == 2:
+            assert kind == "ValueError" and "ranks must be in [0, 3); got [5]" in text
+        else:
+            assert kind == "PeerArgumentError" and "rank 2" in text
+        if r != 0:
+            assert res["intra_sum"] == 3.0
+        assert res["after"] == [0, 1, 2]
+        assert "recv_displs[2] = 5 with recv_counts[2] = 1 falls outside" in res["landing"]
+        assert res["group_name"].startswith("group must be a communicator")

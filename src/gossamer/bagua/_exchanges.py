@@ -205,6 +205,16 @@ def _displacements(displs: list[int], name: str, size: int) -> list[int]:
     return displs[:size]
 
 
+def _check_landing(displs: list[int], counts: list[int], numel: int) -> None:
+    """ValueError unless every block ``[displs[i], displs[i] + counts[i])`` fits the tensor."""
+    for i, (displ, count) in enumerate(zip(displs, counts, strict=False)):
+        if not 0 <= displ <= displ + count <= numel:
+            raise ValueError(
+                f"alltoall_v: recv_displs[{i}] = {displ} with recv_counts[{i}] = {count} "
+                f"falls outside recv_tensor's {numel} elements"
+            )
+
+
 def alltoall_v(
     send_tensor: torch.Tensor,
     send_counts: list[int],
@@ -230,6 +240,7 @@ def alltoall_v(
             raise ValueError("alltoall_v: recv_tensor must be contiguous")
         send_displs = _displacements(send_displs, "send_displs", c.nranks())
         recv_displs = _displacements(recv_displs, "recv_displs", c.nranks())
+        _check_landing(recv_displs, recv_counts, recv_tensor.numel())
     got = ops.alltoall_v(
         send_tensor.reshape(-1),
         send_counts=list(send_counts),

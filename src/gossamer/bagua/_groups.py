@@ -9,6 +9,7 @@ place in it; gossamer's operations take that group. Machines are gossamer's
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gossamer import context, transport
+from gossamer.bagua._collectives import rejecting
 from gossamer.bagua._state import state
 
 __all__ = [
@@ -66,18 +68,23 @@ class BaguaCommunicator:
 
 
 def _subgroups(rank_lists: list[list[int]]) -> Any:
-    """One torch group per list (collective); this rank's communicator or NON_COMM_MEMBER."""
+    """This rank's communicator among ``rank_lists`` (disjoint), or NON_COMM_MEMBER.
 
-    def body() -> tuple[dist.ProcessGroup | None, list[int] | None]:
-        mine, _ = dist.new_subgroups_by_enumeration(
-            rank_lists, timeout=timedelta(seconds=context.timeout())
+    Only the members of a list create its group (torch's local synchronization), so a rank
+    in none of them neither waits nor needs to call.
+    """
+    me = context.rank()
+    mine = next((ranks for ranks in rank_lists if me in ranks), None)
+    if mine is None:
+        return CommMember.NON_COMM_MEMBER
+
+    def body() -> dist.ProcessGroup:
+        return dist.new_group(
+            mine, timeout=timedelta(seconds=context.timeout()), use_local_synchronization=True
         )
-        me = context.rank()
-        return mine, next((r for r in rank_lists if me in r), None)
 
-    # Creating groups is collective: queue it behind the operations already pending.
-    group, ranks = transport.run("new_group", body, False)
-    return CommMember.NON_COMM_MEMBER if ranks is None else BaguaCommunicator(group, ranks)
+    # Queued behind the operations already pending, as every collective of this rank.
+    return BaguaCommunicator(transport.run("new_group", body, False), mine)
 
 
 class BaguaProcessGroup:
@@ -162,23 +169,44 @@ def new_group(
 ) -> BaguaProcessGroup:
     """Create a process group over ``ranks`` (all ranks when None).
 
-    Every process must call it, in the same order, members or not (as in Bagua and torch).
+    Every process must call it, in the same order, members or not (as in Bagua and torch);
+    a rank whose ``ranks`` is refused, or differs from the others', makes every rank raise.
     ``ranks=[]`` gives a group that no rank is a member of (torch makes no group for it).
 
     Raises:
-        ValueError: a rank outside ``[0, world size)``.
+        TypeError: ``ranks`` is not a sequence of ints.
+        ValueError: a rank outside ``[0, world size)``, or one given twice.
+        PeerArgumentError, PeerError: on the other ranks, for the above.
     """
     size = context.size()
-    chosen = list(range(size)) if ranks is None else sorted(int(r) for r in ranks)
-    bad = [r for r in chosen if not 0 <= r < size]
-    if bad:
-        raise ValueError(f"ranks must be in [0, {size}); got {bad}")
+    with rejecting("new_group", None):
+        chosen = list(range(size)) if ranks is None else _checked_ranks(ranks, size)
 
     def body() -> dist.ProcessGroup | None:
+        listed = torch.tensor(chosen, dtype=torch.int64)
+        transport.check_same_call(
+            "new_group", listed, None, aux=zlib.crc32(listed.numpy().tobytes()),
+            explain=lambda aux: f"ranks with checksum {aux}",
+        )  # fmt: skip
+        if not chosen:
+            return None
         return dist.new_group(chosen, timeout=timedelta(seconds=context.timeout()))
 
-    group = transport.run("new_group", body, False) if chosen else None
+    group = transport.run("new_group", body, False)
     return BaguaProcessGroup(chosen, stream, str(next(state().group_ids)), torch_group=group)
+
+
+def _checked_ranks(ranks: object, size: int) -> list[int]:
+    if isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence):
+        raise TypeError(f"ranks must be a list of ints or None; got {ranks!r}")
+    if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+        raise TypeError(f"ranks must be a list of ints or None; got {list(ranks)!r}")
+    bad = [r for r in ranks if not 0 <= r < size]
+    if bad:
+        raise ValueError(f"ranks must be in [0, {size}); got {bad}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks must not repeat a rank; got {list(ranks)!r}")
+    return sorted(ranks)
 
 
 def _torch_non_member(group: object) -> bool:
@@ -226,7 +254,7 @@ def get_communicator(group_name: str, comm_name: str) -> Any:
     return _COMMUNICATORS[comm_name](group)
 
 
-def resolve(comm_: object) -> BaguaCommunicator | None:
+def resolve(comm_: object, name: str = "comm") -> BaguaCommunicator | None:
     """The communicator a primitive's ``comm=`` names; None when this rank is not in it.
 
     Accepts None and ``CommMember.WORLD`` (the default group), a communicator, a
@@ -242,7 +270,7 @@ def resolve(comm_: object) -> BaguaCommunicator | None:
         return None
     if not isinstance(comm_, BaguaCommunicator):
         raise TypeError(
-            f"comm must be a communicator (group.get_global_communicator()), a process "
+            f"{name} must be a communicator (group.get_global_communicator()), a process "
             f"group or None; got {comm_!r}"
         )
     return comm_

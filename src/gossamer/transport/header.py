@@ -82,6 +82,8 @@ OPS = (
     "barrier",
     # Averaging inside a group of ranks among its live members (Moshpit's grid lines).
     "group_average",
+    # Making a process group: every rank names the same members (aux: their checksum).
+    "new_group",
 )
 
 

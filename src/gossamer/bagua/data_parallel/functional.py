@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from gossamer.bagua._collectives import ReduceOp
+from gossamer.bagua._groups import resolve
 from gossamer.bagua.communication import allreduce_inplace
 
 __all__ = ["ReduceOp", "all_reduce", "torch_reduce_op_to_bagua"]
@@ -51,18 +52,20 @@ def all_reduce(
 
     Raises:
         ValueError: an ``op`` other than ``SUM`` or ``MAX``.
+        TypeError: a ``group`` that is not a process group.
     """
-    return _AllReduce.apply(torch_reduce_op_to_bagua(op), group, tensor)
+    return _AllReduce.apply(torch_reduce_op_to_bagua(op), resolve(group, "group"), tensor)
 
 
 class _AllReduce(Function):
     @staticmethod
-    def forward(ctx: Any, op: ReduceOp, group: Any, tensor: torch.Tensor) -> torch.Tensor:
-        ctx.op, ctx.group = op, group
+    def forward(ctx: Any, op: ReduceOp, comm: Any, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.op, ctx.comm = op, comm
         result = tensor.clone()
-        allreduce_inplace(result, op, comm=group)
+        if comm is not None:  # None: this rank is not in the group
+            allreduce_inplace(result, op, comm=comm)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
-        return None, None, _AllReduce.apply(ctx.op, ctx.group, grad)
+        return None, None, _AllReduce.apply(ctx.op, ctx.comm, grad)
