@@ -165,6 +165,9 @@ def _refusals():
     with pytest.raises(Exception) as info:
         bagua.new_group([0, 5] if r == 2 else [0, 1])
     out["one_bad"] = (type(info.value).__name__, str(info.value))
+    with pytest.raises(Exception) as info:  # the same length, other members
+        bagua.new_group([0, 1] if r == 0 else [0, 2])
+    out["differ"] = (type(info.value).__name__, str(info.value))
     # communicators of a group are made by its members alone: rank 0 asks for none
     pair = bagua.from_torch_group(dist.new_group([1, 2]))
     if r != 0:
@@ -193,6 +196,8 @@ def test_refused_arguments_name_themselves_and_keep_ranks_in_step():
             assert kind == "ValueError" and "ranks must be in [0, 3); got [5]" in text
         else:
             assert kind == "PeerArgumentError" and "rank 2" in text
+        kind, text = res["differ"]
+        assert kind == "PeerError" and "ranks checksum" in text
         if r != 0:
             assert res["intra_sum"] == 3.0
         assert res["after"] == [0, 1, 2]

@@ -134,8 +134,6 @@ class BaguaProcessGroup:
 
     def get_intra_node_communicator(self) -> Any:
         """The communicator over the group's ranks on this machine (collective on first use)."""
-        if not self.ranks:
-            return CommMember.NON_COMM_MEMBER
         if "intra" not in self._communicators:
             self._communicators["intra"] = _subgroups(self._machine_lists())
         return self._communicators["intra"]
@@ -145,8 +143,6 @@ class BaguaProcessGroup:
 
         Other ranks get ``CommMember.NON_COMM_MEMBER``.
         """
-        if not self.ranks:
-            return CommMember.NON_COMM_MEMBER
         if "inter" not in self._communicators:
             leaders = [ranks[0] for ranks in self._machine_lists()]
             self._communicators["inter"] = _subgroups([leaders])
@@ -184,10 +180,10 @@ def new_group(
 
     def body() -> dist.ProcessGroup | None:
         listed = torch.tensor(chosen, dtype=torch.int64)
+        checksum = zlib.crc32(listed.numpy().tobytes())
         transport.check_same_call(
-            "new_group", listed, None, aux=zlib.crc32(listed.numpy().tobytes()),
-            explain=lambda aux: f"ranks with checksum {aux}",
-        )  # fmt: skip
+            "new_group", listed, None, checksum, explain=lambda aux: f"ranks checksum {aux}"
+        )
         if not chosen:
             return None
         return dist.new_group(chosen, timeout=timedelta(seconds=context.timeout()))
