@@ -269,6 +269,14 @@ class _BackwardPasses(_Passes):
             )
         self._count_pass()
 
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        try:
+            super()._grad_ready(param)
+        except BaseException:
+            # The core restarts the step: the next backward pass takes this one's place.
+            self._passes = max(self._pass_count() - 1, 0)
+            raise
+
 
 def _knob(name: str, doc: str) -> property:
     """A property for BlueFog's knob ``name``, passed on to the communicator of each round."""
