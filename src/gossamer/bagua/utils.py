@@ -1,8 +1,8 @@
 """Bagua's tensor helpers (``bagua.torch_api.utils``): flattening and flattened calls.
 
-``flatten`` and ``unflatten`` are torch's own dense-tensor helpers, as in Bagua. Bagua's
-autotune statistics (``StatisticalAverage``, ``average_by_removing_extreme_values``) are
-not ported: there is no autotune service.
+``flatten`` and ``unflatten`` do what torch's private dense-tensor helpers, which Bagua
+exports under these names, do. Bagua's autotune statistics (``StatisticalAverage``,
+``average_by_removing_extreme_values``) are not ported: there is no autotune service.
 
 Example:
     >>> import torch
@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = [
     "apply_flattened_call",
@@ -32,10 +31,18 @@ __all__ = [
     "unflatten",
 ]
 
-flatten = _flatten_dense_tensors
-unflatten = _unflatten_dense_tensors
-
 _DATATYPES = {torch.float32: "f32", torch.float16: "f16", torch.uint8: "u8", torch.int64: "i64"}
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One new 1-d tensor holding ``tensors`` one after another."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Views of ``flat`` cut and shaped as ``tensors`` (the inverse of :func:`flatten`)."""
+    parts = flat.split([t.numel() for t in tensors])
+    return tuple(part.view_as(t) for part, t in zip(parts, tensors, strict=True))
 
 
 def apply_flattened_call(
@@ -82,7 +89,7 @@ def get_flattened_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None
     """
     if not tensors:
         return None
-    return torch.cat([t.reshape(-1).to(tensors[0]) for t in tensors])
+    return flatten([t.to(tensors[0]) for t in tensors])
 
 
 def to_bagua_datatype(datatype: torch.dtype) -> str:
