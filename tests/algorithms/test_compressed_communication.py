@@ -43,14 +43,14 @@ def _choco(spec, dynamic, rounds):
 
 def _simulate_static_choco(spec, n, rounds, gamma=None):
     """CHOCO on exp-2 for all ranks in one process: x_i += gamma sum_j W[j,i](h_j - h_i)."""
-    c = get_compressor(spec)
-    gamma = communicators.default_gamma(c) if gamma is None else gamma
+    cs = [get_compressor(spec) for _ in range(n)]  # each rank's own (random-k: same seed)
+    gamma = communicators.default_gamma(cs[0]) if gamma is None else gamma
     W = torch.tensor(topo.exponential_two(n).weights)
     xs = [_start(r) for r in range(n)]
     hat = [torch.zeros_like(x) for x in xs]
     for _ in range(rounds):
         for i in range(n):
-            hat[i] = hat[i] + c.decompress(c.compress(xs[i] - hat[i]))
+            hat[i] = hat[i] + cs[i].decompress(cs[i].compress(xs[i] - hat[i]))
         xs = [
             xs[i] + gamma * sum(W[j, i] * (hat[j] - hat[i]) for j in range(n) if j != i)
             for i in range(n)
@@ -58,18 +58,12 @@ def _simulate_static_choco(spec, n, rounds, gamma=None):
     return xs
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_static_choco_matches_the_one_process_simulation(world_size):
-    got = run_distributed(
-        _choco,
-        world_size,
-        args=(
-            "uint8",
-            False,
-            5,
-        ),
-    )
-    want = _simulate_static_choco("uint8", world_size, 5)
+@pytest.mark.parametrize(
+    ("world_size", "spec"), [(2, "uint8"), (4, "uint8"), (3, "randomk:0.2:quantize=true")]
+)
+def test_static_choco_matches_the_one_process_simulation(world_size, spec):
+    got = run_distributed(_choco, world_size, args=(spec, False, 5))
+    want = _simulate_static_choco(spec, world_size, 5)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
 
@@ -304,6 +298,60 @@ def test_randomk_error_reset_matches_the_one_process_simulation(world_size, aver
     assert (got[0] - got[1]).abs().max() > 0.1
     with pytest.raises(ValueError, match="error_feedback=False"):
         communicators.CompressedAllreduce(spec, error_feedback=False)
+
+
+def _simulate_quantized_randomk(spec, n, rounds, average):
+    """8-bit random-k with error feedback (and error reset), all ranks in one process.
+
+    p_i = C(u_i + e_i) with its values as 8-bit codes; the kept values of the n payloads
+    are summed by ByteGrad (n chunks padded with zeros, 8-bit codes, the owner's sum
+    re-coded); the positions come from plain random-k of the same seed.
+    """
+    cs = [get_compressor(spec) for _ in range(n)]
+    where = get_compressor(spec.replace(":quantize=true", "").replace(":reset=true", ""))
+    codes = get_compressor("uint8")
+    residuals = [torch.zeros(1001, dtype=torch.float64) for _ in range(n)]
+    out = []
+    for t in range(rounds):
+        kept = where.decompress(where.compress(torch.ones(1001, dtype=torch.float64))) != 0
+        us = [_start(r + 10 * t, 1001) for r in range(n)]
+        ps = []
+        for i in range(n):
+            corrected = us[i] + residuals[i]
+            ps.append(cs[i].decompress(cs[i].compress(corrected)))
+            residuals[i] = corrected - ps[i]
+        k = int(kept.sum())
+        per = -(-k // n)
+        padded = torch.zeros(n, per * n, dtype=torch.float64)
+        for i in range(n):
+            padded[i, :k] = ps[i][kept]
+        coded = [[codes.decompress(codes.compress(c)) for c in row.view(n, per)] for row in padded]
+        sums = [sum(coded[i][j] for i in range(n)) / (n if average else 1) for j in range(n)]
+        shared = torch.zeros(1001, dtype=torch.float64)
+        shared[kept] = torch.cat([codes.decompress(codes.compress(s)) for s in sums])[:k]
+        if "reset=true" in spec:
+            scale = 1 if average else n
+            out.append(torch.stack([scale * (us[i] - ps[i]) + shared for i in range(n)]))
+        else:
+            out.append(torch.stack([shared] * n))
+    return torch.stack(out, 1)  # [rank, round, element]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "spec", "average"),
+    [
+        (2, "randomk:0.1:quantize=true", True),
+        (3, "randomk:0.1:quantize=true", False),
+        (3, "randomk:0.1:quantize=true:reset=true", True),
+    ],
+)
+def test_quantized_randomk_allreduce_matches_the_one_process_simulation(world_size, spec, average):
+    rounds = 3
+    got = torch.stack(
+        run_distributed(_rounds_of_distinct_inputs, world_size, args=(spec, average, rounds))
+    )
+    want = _simulate_quantized_randomk(spec, world_size, rounds, average)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def _topk_least_squares(steps):

@@ -46,6 +46,7 @@ COMPRESSORS = {
     "topk": TopK(0.1),
     "randomk": RandomK(0.1),
     "randomk-unbiased": RandomK(0.3, unbiased=True, seed=5),
+    "randomk-quantize": RandomK(0.3, quantize=True, seed=2),
     "stc": STC(0.1),
     "sign": Sign(),
 }
@@ -349,6 +350,7 @@ def test_every_compressor_has_a_registry_entry():
         ("randomk:0.01", RandomK(0.01)),
         ("randomk:0.5:unbiased=true", RandomK(0.5, unbiased=True)),
         ("randomk:0.01:reset=true", RandomK(0.01, reset=True)),
+        ("randomk:0.04:quantize=true", RandomK(0.04, quantize=True)),
         ("stc:0.01", STC(0.01)),
         ("sign", Sign()),
     ],
@@ -385,6 +387,10 @@ def test_names():
         ("topk:abc", r"ratio must be a float; got 'abc'"),
         ("qsgd:4.5", r"levels must be an int; got '4.5'"),
         ("randomk:0.1:unbiased=maybe", r"unbiased must be a bool \(true/false\); got 'maybe'"),
+        (
+            "randomk:0.1:unbiased=true:quantize=true",
+            r"quantize=True needs the biased random-k \(unbiased=False\)",
+        ),
         ("topk:0.1:0.2", r"unexpected parameter '0.2'"),
         ("topk:size=3", r"unknown parameter 'size'"),
         ("qsgd:4:seed=1:seed=2", r"parameter 'seed' given twice"),

@@ -319,6 +319,24 @@ def test_randomk_regenerates_indices_from_the_header(device):
     assert not torch.equal(torch.nonzero(sender.decompress(other)).view(-1), kept)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_quantized_randomk_sends_8_bit_codes_at_the_same_positions(dtype):
+    x = _randn(1000, 5).to(dtype)
+    plain, quantized = RandomK(0.1, seed=4), RandomK(0.1, seed=4, quantize=True)
+    want, payload = plain.decompress(plain.compress(x)), quantized.compress(x)
+    # seed and step, the (min, max) of the kept values, one byte per value
+    assert payload.nbytes == 16 + 2 * dtype.itemsize + 100
+    got = quantized.decompress(payload)
+    kept = want != 0
+    assert not got[~kept].any()  # (a kept value may round to 0)
+    # Bagua's 8-bit code of each kept value: its error is at most half a step of the range.
+    lo, hi = want[kept].double().min(), want[kept].double().max()
+    assert (got[kept].double() - want[kept].double()).abs().max() <= (hi - lo) / 510 * 1.01
+    assert torch.equal(quantized.kept_values(payload), got[kept])
+    doubled = quantized.with_values(payload, 2 * quantized.kept_values(payload))
+    assert torch.equal(doubled, 2 * got)
+
+
 def test_randomk_same_seed_same_positions_on_every_rank():
     a, b = RandomK(0.05, seed=7), RandomK(0.05, seed=7)
     ya = a.decompress(a.compress(_randn(2000, 1)))

@@ -167,6 +167,7 @@ EF_COMPRESSORS = {
     "sign": Sign(),
     "uint8": MinMaxUInt8(),
     "randomk": RandomK(0.2, seed=3),
+    "randomk-quantize": RandomK(0.2, seed=3, quantize=True),
     "qsgd": QSGD(2, seed=3),
 }
 

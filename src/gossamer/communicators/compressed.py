@@ -14,7 +14,8 @@ r"""Compressed global averaging: fewer bytes on the wire for gradient allreduce.
   Random-k keeps the same positions on every rank (its index stream is shared, see
   :func:`~gossamer.compression.for_rank`), so only its values travel, in one ``allreduce``
   whose call header carries the stream position: ranks whose streams disagree raise
-  instead of summing values of different positions.
+  instead of summing values of different positions. With ``quantize=True`` the values
+  travel as 8-bit codes, summed by scatter-reduce-gather as above.
 
 With ``error_feedback=True`` the residual of the first compression is kept per bucket and
 added to the next round's input (:class:`~gossamer.compression.ErrorFeedback`); it is on by
@@ -210,22 +211,33 @@ class CompressedAllreduce(RankStreams, Communicator):
     def _decode(self, buffer: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
         return self.compressor.decompress(Payload(buffer.contiguous(), (numel,), like.dtype))
 
-    def _scatter_gather(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+    def _scatter_gather(
+        self, flat: torch.Tensor, index: int, codec: Compressor | None = None
+    ) -> torch.Tensor:
+        """ByteGrad; with ``codec``, that compressor (without error feedback) instead."""
         n = transport.group_size(None)
         x = flat.reshape(-1)
         # Every chunk is compressed on its own (its own scale), so pad to n equal chunks.
         per = -(-x.numel() // n)
         padded = torch.zeros(per * n, dtype=x.dtype, device=x.device)
         padded[: x.numel()] = x
-        chunks = [self._compress(c, (index, k)) for k, c in enumerate(padded.view(n, per))]
+        coder = codec or self.compressor
+
+        def decode(buffer: torch.Tensor) -> torch.Tensor:
+            return coder.decompress(Payload(buffer.contiguous(), (per,), x.dtype))
+
+        chunks = [
+            codec.compress(c) if codec else self._compress(c, (index, k))
+            for k, c in enumerate(padded.view(n, per))
+        ]
         received = ops.alltoall(torch.cat([c.buffer for c in chunks]))
         wide = _WIDE.get(x.dtype, x.dtype)  # half types sum in float32, as ops do
-        mine = sum(self._decode(b, per, x).to(wide) for b in received.view(n, -1))
+        mine = sum(decode(b).to(wide) for b in received.view(n, -1))
         if self.average:
             mine = mine / n
         mine = mine.to(x.dtype)
-        parts = ops.allgather(self.compressor.compress(mine).buffer).view(n, -1)
-        out = torch.cat([self._decode(b, per, x) for b in parts])
+        parts = ops.allgather(coder.compress(mine).buffer).view(n, -1)
+        out = torch.cat([decode(b) for b in parts])
         return out[: x.numel()].view_as(flat)
 
     def _sparse(self, flat: torch.Tensor, index: int) -> torch.Tensor:
@@ -252,12 +264,17 @@ class CompressedAllreduce(RankStreams, Communicator):
         payload = self._compress(flat, index)
         head = payload.buffer[:16]
         seed, step = head.view(torch.int64).tolist()
-        values = payload.buffer[16:].view(flat.dtype).clone()
+        values = self.compressor.kept_values(payload).clone()
+        codec = self.compressor.values_codec  # 8-bit codes are summed as codes (ByteGrad)
         stream = hash((seed, step)) & 0x3FFF_FFFF_FFFF_FFFF
-        transport.check_same_call("compressed_allreduce", values, None, aux=stream)
-        reduce_into(values, self.average, None)
-        buffer = torch.cat([head, values.view(torch.uint8)])
-        out = self._decode(buffer, flat.numel(), flat).view_as(flat)
+        transport.check_same_call(
+            "compressed_allreduce", values, None, aux=stream, codec=self.codec
+        )
+        if codec is None:
+            reduce_into(values, self.average, None)
+        else:
+            values = self._scatter_gather(values, index, codec)
+        out = self.compressor.with_values(payload, values).view_as(flat)
         if self.compressor.reset and self.feedback is not None:
             # Error reset (CSER): this rank applies its own update in full at once, and on
             # the kept positions swaps its own (residual-corrected) values for the average.
