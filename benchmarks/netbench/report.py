@@ -76,6 +76,10 @@ COMPRESSED = {
     "dcd-uint8/ring": ("ring-neighbours", 0.25),  # the same ring through DifferenceGossip
     # every rank's top 1 % (float32 value + int32 index) reaches every other rank
     "topk-ef/allreduce": ("allgather", 0.02),
+    # random-k's shared positions: an allreduce of 1 % of the model (float32 values, or
+    # four times as many 8-bit codes summed by ByteGrad)
+    "randomk-ef/allreduce": ("ddp", 0.01),
+    "randomk8-ef/allreduce": ("ddp", 0.01),
 }
 
 

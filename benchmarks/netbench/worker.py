@@ -65,10 +65,20 @@ STRATEGIES = (
     "dcd-uint8/ring",
     "bytegrad",
     "topk-ef/allreduce",
+    "randomk-ef/allreduce",
+    "randomk8-ef/allreduce",
     "hier-atc",
     "win-put",
     *BAGUA_STRATEGIES,
 )
+
+
+# Random-k gradient allreduce with error reset: float32 values, and four times the positions
+# as 8-bit codes in the same payload.
+RANDOMK = {
+    "randomk-ef/allreduce": "randomk:0.01:reset=true:cyclic=true",
+    "randomk8-ef/allreduce": "randomk:0.04:quantize=true:reset=true:cyclic=true",
+}
 
 
 class TinyTransformer(nn.Module):
@@ -467,6 +477,8 @@ def wrap(strategy: str, model: nn.Module, sgd: torch.optim.Optimizer):
         return model, optim.GradientAllreduce(sgd, model, communicator=bytegrad)
     if strategy == "topk-ef/allreduce":
         return model, optim.GradientAllreduce(sgd, model, compression="topk:0.01")
+    if strategy in RANDOMK:
+        return model, optim.GradientAllreduce(sgd, model, compression=RANDOMK[strategy])
     if strategy == "hier-atc":
         gossamer.set_machine_topology(topo.exponential_two(gossamer.machine_size()))
         return model, optim.AdaptThenCombine(
