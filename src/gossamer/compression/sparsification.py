@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -353,6 +354,10 @@ _WEYL = 0x9E3779B97F4A7C15 >> (64 - _BITS)  # 2^62 / golden ratio: a Weyl sequen
 _PHASES = (1 << _BITS) - 1  # the stream of the phases: a step no call reaches
 
 
+# A round of random-k draws its positions once and regenerates them up to four more times
+# (error feedback, the kept values, the sum put back, error reset): 2.8 ms each for 210 k
+# positions. The callers only read the tensors.
+@functools.lru_cache(maxsize=4)
 def _stratified(
     numel: int, k: int, seed: int, step: int, cyclic: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,3 +132,33 @@ def reduce_in_place(out: torch.Tensor, op: str, group: dist.ProcessGroup | None)
     if op == "average":
         wide.div_(dist.get_world_size(group))
     narrow_into(out, wide)
+
+
+def exchange_blocks(
+    source: torch.Tensor, kind: str, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """``kind="alltoall"`` or ``"allgather"`` of equal byte blocks, with no call header.
+
+    Runs on the communication thread.
+    For communicators whose call was checked already (its sizes follow from it), as
+    :func:`reduce_in_place`: a header round per collective is latency on slow links. An
+    ``alltoall`` returns the ``size`` blocks the ranks sent this one, an ``allgather`` every
+    rank's ``source``, both concatenated in rank order. Device tensors go through the host
+    where gloo needs it.
+    """
+    if transport.needs_staging(source, group):
+        return exchange_blocks(transport.to_host(source), kind, group).to(source.device)
+    size = dist.get_world_size(group)
+    with timeline.record(None, "communicating"):
+        if kind == "alltoall":
+            out = torch.empty_like(source)
+            work = dist.all_to_all_single(out, source, group=group, async_op=True)
+        else:
+            out = torch.empty(size * source.numel(), dtype=source.dtype, device=source.device)
+            work = dist.all_gather(list(out.chunk(size)), source, group=group, async_op=True)
+        transport.wait_works(kind, [(-1, work)])
+    count_collective(kind, _TORCH_NAMES[kind], source.nbytes, size)
+    return out
+
+
+_TORCH_NAMES = {"alltoall": "all_to_all", "allgather": "all_gather"}

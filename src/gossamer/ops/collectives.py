@@ -19,6 +19,7 @@ from gossamer import transport
 from gossamer.ops._common import (
     SUM_DTYPES,
     check_reduce_op,
+    exchange_blocks,
     explain_reduce,
     explain_root,
     reduce_code,
@@ -49,6 +50,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_",
+    "exchange_blocks",
     "reduce_into",
 ]
 
