@@ -139,12 +139,11 @@ def exchange_blocks(
 ) -> torch.Tensor:
     """``kind="alltoall"`` or ``"allgather"`` of equal byte blocks, with no call header.
 
-    Runs on the communication thread.
-    For communicators whose call was checked already (its sizes follow from it), as
-    :func:`reduce_in_place`: a header round per collective is latency on slow links. An
-    ``alltoall`` returns the ``size`` blocks the ranks sent this one, an ``allgather`` every
-    rank's ``source``, both concatenated in rank order. Device tensors go through the host
-    where gloo needs it.
+    Runs on the communication thread, for communicators whose call was checked already (its
+    sizes follow from it), as :func:`reduce_in_place`: a header round per collective is a
+    round trip on slow links. An ``alltoall`` returns the ``size`` blocks the ranks sent
+    this one, an ``allgather`` every rank's ``source``, both concatenated in rank order.
+    Device tensors go through the host where gloo needs it.
     """
     if transport.needs_staging(source, group):
         return exchange_blocks(transport.to_host(source), kind, group).to(source.device)
