@@ -262,22 +262,50 @@ def _rounds_of_distinct_inputs(spec, average, rounds):
     return torch.stack(out)
 
 
-def _simulate_error_reset(spec, n, rounds, average):
-    """Error reset, all ranks in one process: G_i = u_i + mean_j p_j - p_i, p_i = C(u_i + e_i)."""
+def _simulate_randomk(spec, n, rounds, average):
+    """Random-k with error feedback, all ranks in one process.
+
+    p_i = C(u_i + e_i). The kept values of the n payloads are summed: as they are, or,
+    with 8-bit values (``quantize=true``), by ByteGrad (n chunks padded with zeros, 8-bit
+    codes, the owner's sum re-coded), at the positions of plain random-k of the same seed.
+    With error reset rank i gets G_i = u_i + mean_j p_j - p_i, else the mean for all.
+    """
     cs = [get_compressor(spec) for _ in range(n)]  # same seed: the same positions every round
+    where = get_compressor(spec.replace(":quantize=true", "").replace(":reset=true", ""))
     residuals = [torch.zeros(1001, dtype=torch.float64) for _ in range(n)]
     out = []
     for t in range(rounds):
+        kept = where.decompress(where.compress(torch.ones(1001, dtype=torch.float64))) != 0
         us = [_start(r + 10 * t, 1001) for r in range(n)]
         ps = []
         for i in range(n):
             corrected = us[i] + residuals[i]
             ps.append(cs[i].decompress(cs[i].compress(corrected)))
             residuals[i] = corrected - ps[i]
-        scale = 1 if average else n
-        shared = sum(ps) / n if average else sum(ps)
-        out.append(torch.stack([scale * (us[i] - ps[i]) + shared for i in range(n)]))
+        if "quantize=true" in spec:
+            shared = _bytegrad_at(kept, ps, n, average)
+        else:
+            shared = sum(ps) / n if average else sum(ps)
+        if "reset=true" in spec:
+            scale = 1 if average else n
+            out.append(torch.stack([scale * (us[i] - ps[i]) + shared for i in range(n)]))
+        else:
+            out.append(torch.stack([shared] * n))
     return torch.stack(out, 1)  # [rank, round, element]
+
+
+def _bytegrad_at(kept, ps, n, average):
+    codes = get_compressor("uint8")
+    k = int(kept.sum())
+    per = -(-k // n)
+    padded = torch.zeros(n, per * n, dtype=torch.float64)
+    for i in range(n):
+        padded[i, :k] = ps[i][kept]
+    coded = [[codes.decompress(codes.compress(c)) for c in row.view(n, per)] for row in padded]
+    sums = [sum(coded[i][j] for i in range(n)) / (n if average else 1) for j in range(n)]
+    shared = torch.zeros(len(kept), dtype=torch.float64)
+    shared[kept] = torch.cat([codes.decompress(codes.compress(s)) for s in sums])[:k]
+    return shared
 
 
 @pytest.mark.parametrize(("world_size", "average"), [(2, True), (3, True), (3, False)])
@@ -286,7 +314,7 @@ def test_randomk_error_reset_matches_the_one_process_simulation(world_size, aver
     got = torch.stack(
         run_distributed(_rounds_of_distinct_inputs, world_size, args=(spec, average, rounds))
     )
-    want = _simulate_error_reset(spec, world_size, rounds, average)
+    want = _simulate_randomk(spec, world_size, rounds, average)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     # Mass is preserved: the ranks' results add up to the uncompressed ones, every round.
     inputs = torch.stack(
@@ -298,43 +326,6 @@ def test_randomk_error_reset_matches_the_one_process_simulation(world_size, aver
     assert (got[0] - got[1]).abs().max() > 0.1
     with pytest.raises(ValueError, match="error_feedback=False"):
         communicators.CompressedAllreduce(spec, error_feedback=False)
-
-
-def _simulate_quantized_randomk(spec, n, rounds, average):
-    """8-bit random-k with error feedback (and error reset), all ranks in one process.
-
-    p_i = C(u_i + e_i) with its values as 8-bit codes; the kept values of the n payloads
-    are summed by ByteGrad (n chunks padded with zeros, 8-bit codes, the owner's sum
-    re-coded); the positions come from plain random-k of the same seed.
-    """
-    cs = [get_compressor(spec) for _ in range(n)]
-    where = get_compressor(spec.replace(":quantize=true", "").replace(":reset=true", ""))
-    codes = get_compressor("uint8")
-    residuals = [torch.zeros(1001, dtype=torch.float64) for _ in range(n)]
-    out = []
-    for t in range(rounds):
-        kept = where.decompress(where.compress(torch.ones(1001, dtype=torch.float64))) != 0
-        us = [_start(r + 10 * t, 1001) for r in range(n)]
-        ps = []
-        for i in range(n):
-            corrected = us[i] + residuals[i]
-            ps.append(cs[i].decompress(cs[i].compress(corrected)))
-            residuals[i] = corrected - ps[i]
-        k = int(kept.sum())
-        per = -(-k // n)
-        padded = torch.zeros(n, per * n, dtype=torch.float64)
-        for i in range(n):
-            padded[i, :k] = ps[i][kept]
-        coded = [[codes.decompress(codes.compress(c)) for c in row.view(n, per)] for row in padded]
-        sums = [sum(coded[i][j] for i in range(n)) / (n if average else 1) for j in range(n)]
-        shared = torch.zeros(1001, dtype=torch.float64)
-        shared[kept] = torch.cat([codes.decompress(codes.compress(s)) for s in sums])[:k]
-        if "reset=true" in spec:
-            scale = 1 if average else n
-            out.append(torch.stack([scale * (us[i] - ps[i]) + shared for i in range(n)]))
-        else:
-            out.append(torch.stack([shared] * n))
-    return torch.stack(out, 1)  # [rank, round, element]
 
 
 @pytest.mark.parametrize(
@@ -350,7 +341,7 @@ def test_quantized_randomk_allreduce_matches_the_one_process_simulation(world_si
     got = torch.stack(
         run_distributed(_rounds_of_distinct_inputs, world_size, args=(spec, average, rounds))
     )
-    want = _simulate_quantized_randomk(spec, world_size, rounds, average)
+    want = _simulate_randomk(spec, world_size, rounds, average)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
