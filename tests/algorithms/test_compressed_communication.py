@@ -386,6 +386,8 @@ def test_compression_options_are_checked():
         communicators.make(compression="topk:0.1", error_feedback=False)
     with pytest.raises(TypeError, match="error_feedback must be a bool or None; got 'yes'"):
         communicators.make(compression="topk:0.1", error_feedback="yes")
+    with pytest.raises(ValueError, match="error_feedback=True needs a compression"):
+        communicators.CompressedAllreduce("none", error_feedback=True)
 
 
 def test_a_state_of_another_configuration_is_refused_at_load():
@@ -581,3 +583,59 @@ def _mismatched_dtypes(spec):
 def test_ranks_with_different_dtypes_raise_instead_of_mixing(world_size, spec):
     for errors in run_distributed(_mismatched_dtypes, world_size, args=(spec,)):
         assert errors == ["PeerError"] * 3
+
+
+def _different_settings(kind, specs):
+    """``kind`` built with ``specs[rank]`` (None: uncompressed); the error each rank got."""
+    spec = specs[gossamer.rank() % len(specs)]
+    model = linear_model()
+    kinds = {"allreduce": optim.GradientAllreduce, "awc": optim.AdaptWithCombine}
+    cls = kinds.get(kind, optim.WindowPut)
+    try:
+        opt = cls(torch.optim.SGD(model.parameters(), lr=0.1), model, compression=spec)
+        A, b = least_squares_data(gossamer.rank())
+        ((model(A).squeeze(1) - b) ** 2).mean().backward()
+        opt.step()
+        opt.close()
+    except gossamer.PeerError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "kind, specs, mine",
+    [
+        (
+            "allreduce",
+            ["uint8", None],
+            [
+                "compressed_allreduce of float64[5] with compression='uint8'",
+                "allreduce of float64[5]",
+            ],
+        ),
+        ("allreduce", ["uint8", "topk:0.5"], ["compression='uint8'", "compression='topk:0.5'"]),
+        ("allreduce", ["powersgd:1", "powersgd:2"], ["PowerSGD(rank=1,", "PowerSGD(rank=2,"]),
+        (
+            "awc",
+            ["fp16", "bf16"],
+            ["compression='fp16' on float64", "compression='bf16' on float64"],
+        ),
+        (
+            "window",
+            ["uint8", None],
+            ["compression='uint8', gamma=0.8", "window_create of float32[1]"],
+        ),
+    ],
+)
+def test_ranks_with_different_compression_raise_naming_theirs(world_size, kind, specs, mine):
+    """Every rank raises at once (no timeout) and names its own configuration.
+
+    Before, an uncompressed rank waited for the posted allreduce's group, which a
+    compressed rank never makes, until the deadline; a window rank mixed puts of another
+    compressor silently; and the message showed two equal calls.
+    """
+    errors = run_distributed(_different_settings, world_size, args=(kind, specs), timeout=60)
+    for rank, error in enumerate(errors):
+        assert error is not None and "mismatched call" in error, error
+        assert mine[rank % len(specs)] in error, error

@@ -37,6 +37,12 @@ def _unnamed(communication: dict) -> dict:
     return {k: v for k, v in communication.items() if k != "algorithm"}
 
 
+def _sgd(cls, **kwargs):
+    """``cls`` over SGD on a model of its own."""
+    model = linear_model()
+    return cls(torch.optim.SGD(model.parameters(), lr=0.1), model, **kwargs)
+
+
 def _states():
     r = gossamer.rank()
     out = {}
@@ -88,6 +94,12 @@ def _states():
             }
         ),
         "rng": lambda: NeighborAllreduce().load_state_dict(RandomShift(1).state_dict()),
+        "another compression": lambda: _sgd(
+            optim.AdaptWithCombine, compression="uint8"
+        ).load_state_dict(awc.state_dict()),
+        "error feedback": lambda: _sgd(
+            optim.GradientAllreduce, compression="uint8", error_feedback=False
+        ).load_state_dict(_sgd(optim.GradientAllreduce, compression="uint8").state_dict()),
     }.items():
         try:
             call()
@@ -133,6 +145,7 @@ def test_step_in_progress_spans_one_step(states):
 
 def test_window_patterns_save_their_slots(states):
     slots = {"algorithm", "buffers", "p_buffers", "versions", "rounds", "schedule_steps", "steps"}
+    slots.add("compression_config")
     assert set(states[0]["put_keys"]) == slots
     assert set(states[0]["push_keys"]) == slots | {"p", "x"}
 
@@ -151,6 +164,13 @@ def test_mismatched_state_is_refused_with_a_reason(states):
     assert "holds 0 windows" in errors["window count"]
     assert "psi_prev'][3]" in errors["psi_prev"]
     assert "random generator" in errors["rng"]
+    assert errors["another compression"] == (
+        "state was saved with no compression; this AdaptWithCombine runs compression='uint8'"
+    )
+    assert errors["error feedback"] == (
+        "state was saved with compression='uint8', error_feedback=True; this "
+        "GradientAllreduce runs compression='uint8', error_feedback=False"
+    )
 
 
 def test_a_sampling_communicator_resumes_its_draws(states):

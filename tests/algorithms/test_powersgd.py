@@ -96,6 +96,20 @@ def test_powersgd_spec_and_options_are_checked():
         communicators.PowerSGDAllreduce(2, warm_start=1)
 
 
+def test_a_state_of_another_configuration_is_refused():
+    saved = communicators.PowerSGDAllreduce(1).state_dict()
+    for other in (
+        communicators.PowerSGDAllreduce(2),
+        communicators.PowerSGDAllreduce(1, start_iter=20),
+        communicators.PowerSGDAllreduce(1, warm_start=False),
+    ):
+        with pytest.raises(ValueError, match=r"state was saved with (rank|start_iter|warm_start)"):
+            other.load_state_dict(saved)
+    fresh = communicators.PowerSGDAllreduce(1, seed=3)  # the seed's draws are state: loaded
+    fresh.load_state_dict(saved)
+    assert fresh.state.matrix_approximation_rank == 1
+
+
 def _with_an_empty_parameter(empty):
     model = _model()
     if empty:

@@ -260,6 +260,8 @@ def test_bad_arguments_name_the_argument():
         decentralized.DecentralizedAlgorithm(peer_selection_mode="ring")
     with pytest.raises(ValueError, match="communication_interval"):
         decentralized.DecentralizedAlgorithm(communication_interval=0)
+    with pytest.raises(ValueError, match=r"compression='topk:2': ratio must be in \(0, 1\]"):
+        decentralized.LowPrecisionDecentralizedAlgorithm(compression="topk:2")
     with pytest.raises(TypeError, match="hierarchical"):
         GA(hierarchical="yes")
     with pytest.raises(ValueError, match="sync_interval_ms"):

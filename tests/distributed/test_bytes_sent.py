@@ -108,14 +108,17 @@ def test_timeline_shows_the_bytes_of_each_operation(tmp_path):
         rows = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
         # Bytes of a job of the communication thread are on its "running" span; a posted
         # round (CHOCO's) puts what it sends on a "sent" span of its row, and the header
-        # check of its first round (an allgather) on its own span.
+        # check of its first round (an allgather, a job of the thread) on a "running" one.
         spans = [
             (rows[e["tid"]], e["name"], e.get("args", {}).get("bytes"))
             for e in events
             if e["ph"] == "X"
         ]
         running = {row: n for row, what, n in spans if what == "running" and n}
-        assert running == {"neighbor_allreduce": counted["neighbor_allreduce"]}
+        assert running == {
+            "neighbor_allreduce": counted["neighbor_allreduce"],
+            "compressed_gossip": HEAD,
+        }
         sent = sum(n for row, what, n in spans if row == "compressed_gossip" and n)
         assert sent == counted["compressed_gossip"] == HEAD + 1008
         assert ("compressed_gossip", "communicating", None) in spans

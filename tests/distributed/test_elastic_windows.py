@@ -168,6 +168,21 @@ def test_elastic_must_be_a_bool():
         PushSum(sgd, model, elastic="yes")
 
 
+def test_window_optimizers_name_the_options_they_do_not_take():
+    model = nn.Linear(2, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for key, value in (("error_feedback", True), ("global_average_every", 5)):
+        with pytest.raises(TypeError, match=f"WindowPut takes no {key}= \\(got {value}\\)"):
+            WindowPut(sgd, model, compression="uint8", **{key: value})
+    with pytest.raises(TypeError, match="PushSum takes no communicator="):
+        PushSum(sgd, model, communicator=object())
+    # Judged by the compressor, not the spelling: a bad spec gets the registry's error.
+    with pytest.raises(ValueError, match="compression='bogus': unknown compressor"):
+        PushSum(sgd, model, compression="bogus")
+    with pytest.raises(ValueError, match="not built for push-sum"):
+        PushSum(sgd, model, compression="uint8")
+
+
 def _dies_mid_put():
     rank = gossamer.rank()
     x = torch.full((4_000_000,), float(rank))  # 16 MB: still on its way when the sender dies

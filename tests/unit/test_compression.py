@@ -254,6 +254,8 @@ def test_argument_errors():
         Payload(torch.zeros(2, 3, dtype=torch.uint8), (6,), torch.float32)
     with pytest.raises(TypeError, match=r"dtype must be a torch\.dtype; got 'float32'"):
         Payload(torch.zeros(3, dtype=torch.uint8), (3,), "float32")
+    with pytest.raises(TypeError, match="shape must be a sequence of ints; got 3"):
+        Payload(torch.zeros(3, dtype=torch.uint8), 3, torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -396,6 +398,8 @@ def test_names():
         ("qsgd:4:seed=1:seed=2", r"parameter 'seed' given twice"),
         ("sign:1", r"unexpected parameter '1'; usage: sign"),
         ("zip", r"compression='zip': unknown compressor 'zip'; valid: bf16, fp16, .*topk:<ratio>"),
+        ("qsgd:1_6", r"levels must be an int; got '1_6'"),  # int() would read 16
+        ("topk:1_0e-2", r"ratio must be a float; got '1_0e-2'"),
     ],
     ids=lambda v: v if ":" in v or v.isalpha() else "",
 )

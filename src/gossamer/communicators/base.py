@@ -129,6 +129,13 @@ class Communicator(abc.ABC):
         """The pattern's name (``"neighbor_allreduce"``, ...)."""
         return self.name
 
+    def compression_config(self) -> str:
+        """The compression of this pattern's rounds, which a state it loads must share.
+
+        ``"no compression"`` here; compressed patterns name their compressor.
+        """
+        return "no compression"
+
     def bind(self, buckets: Sequence[Bucket]) -> None:  # noqa: B027 - optional hook
         """Called once with the optimizer's buckets (window patterns create windows here)."""
 

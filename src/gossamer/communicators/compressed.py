@@ -62,16 +62,30 @@ from gossamer.compression import (
 )
 from gossamer.ops.collectives import exchange_blocks, reduce_into
 
-__all__ = ["CompressedAllreduce", "RankStreams", "codec_id", "rank_compressor"]
+__all__ = [
+    "CompressedAllreduce",
+    "RankStreams",
+    "codec_id",
+    "configuration_id",
+    "rank_compressor",
+]
 
 _SPARSIFIERS = ("topk", "randomk", "stc")
 # Half types are summed in float32 (as the ops do): a sum of representable values may not be.
 _WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
+def configuration_id(text: str) -> int:
+    """A stable id of a configuration (``text`` describes it) for the call header (0: raw).
+
+    Ranks that configured a call differently then raise, naming ``text``.
+    """
+    return transport.name_codec(zlib.crc32(text.encode()) & 0x7FFF_FFFF or 1, text)
+
+
 def codec_id(compressor: Compressor) -> int:
-    """A stable id of ``compressor``'s configuration for the call header (0 is raw)."""
-    return zlib.crc32(compressor.name.encode()) & 0x7FFF_FFFF or 1
+    """The :func:`configuration_id` of ``compressor``."""
+    return configuration_id(f"compression={compressor.name!r}")
 
 
 def typed_codec(codec: int, dtype: torch.dtype) -> int:
@@ -80,7 +94,9 @@ def typed_codec(codec: int, dtype: torch.dtype) -> int:
     Payloads of two dtypes can be the same size (float16 and bfloat16), and decoding one as
     the other gives garbage, not an error.
     """
-    return (codec ^ zlib.crc32(str(dtype).encode())) & 0x7FFF_FFFF or 1
+    typed = (codec ^ zlib.crc32(str(dtype).encode())) & 0x7FFF_FFFF or 1
+    of = str(dtype).removeprefix("torch.")
+    return transport.name_codec(typed, f"{transport.codec_name(codec)} on {of}")
 
 
 def rank_compressor(compressor: Compressor) -> Compressor | None:
@@ -135,6 +151,10 @@ class RankStreams:
     def _given_name(self) -> str:
         return self._given if self._ranked else self.compressor.name
 
+    def compression_config(self) -> str:
+        """``"compression='uint8'"``: the compressor as given (before a per-rank seed)."""
+        return f"compression={self._given_name()!r}"
+
 
 class CompressedAllreduce(RankStreams, Communicator):
     """Each round: the global average (or sum) of the bucket, through a compressor.
@@ -164,6 +184,8 @@ class CompressedAllreduce(RankStreams, Communicator):
             error_feedback = default_error_feedback(self.compressor)
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool or None; got {error_feedback!r}")
+        if error_feedback and self.compressor.name == "none":
+            raise ValueError("error_feedback=True needs a compression; got compression='none'")
         if not isinstance(average, bool):
             raise TypeError(f"average must be a bool; got {average!r}")
         if getattr(self.compressor, "reset", False) and not error_feedback:
@@ -270,7 +292,12 @@ class CompressedAllreduce(RankStreams, Communicator):
         codec = self.compressor.values_codec  # 8-bit codes are summed as codes (ByteGrad)
         stream = hash((seed, step)) & 0x3FFF_FFFF_FFFF_FFFF
         transport.check_same_call(
-            "compressed_allreduce", values, None, aux=stream, codec=self.codec
+            "compressed_allreduce",
+            values,
+            None,
+            aux=stream,
+            codec=self.codec,
+            explain=lambda aux: f"positions #{aux}",
         )
         if codec is None:
             reduce_into(values, self.average, None)
@@ -284,6 +311,10 @@ class CompressedAllreduce(RankStreams, Communicator):
             scale = 1 if self.average else transport.group_size(None)
             out = out + scale * (flat - own)
         return out
+
+    def compression_config(self) -> str:
+        """The compressor as given, and whether error feedback is on."""
+        return f"{super().compression_config()}, error_feedback={self.feedback is not None}"
 
     def state_dict(self) -> dict:
         """Rounds, the compressor's state and the error-feedback residuals."""

@@ -21,7 +21,6 @@ gossamer's communication thread, so its collectives are ordered with gossamer's 
 from __future__ import annotations
 
 import copy
-import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,12 +29,21 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 from gossamer import transport
 from gossamer.communicators.base import Communicator, Pending
+from gossamer.communicators.compressed import configuration_id
 from gossamer.fusion import Bucket
 from gossamer.profiling import count_collective
 
 __all__ = ["PowerSGDAllreduce", "parse_powersgd"]
 
 _NOT_SAVED = ("process_group", "rng")
+# What the constructor's arguments set: a state saved with other values is refused.
+_CONFIGURED = {
+    "matrix_approximation_rank": "rank",
+    "start_powerSGD_iter": "start_iter",
+    "min_compression_rate": "min_compression_rate",
+    "use_error_feedback": "error_feedback",
+    "warm_start": "warm_start",
+}
 
 #: the first step that compresses, unless given: torch's default is 1000 (DDP's bucket
 #: rebuild), its documentation's example 10; a few uncompressed steps help accuracy.
@@ -144,6 +152,12 @@ class PowerSGDAllreduce(Communicator):
                 f"min_compression_rate must be a positive number; got {min_compression_rate!r}"
             )
         self.rank = rank
+        config = (
+            f"PowerSGD(rank={rank}, start_iter={start_iter}, min_compression_rate="
+            f"{min_compression_rate}, error_feedback={error_feedback}, warm_start={warm_start})"
+        )
+        self.codec = configuration_id(config)
+        self._config = config
         self.state = torch_powersgd.PowerSGDState(
             process_group=None,
             matrix_approximation_rank=rank,
@@ -191,12 +205,22 @@ class PowerSGDAllreduce(Communicator):
         compressed = self.state.iter >= self.state.start_powerSGD_iter
         # The header carries the configuration and the iteration: ranks that disagree
         # (another rank, a state loaded on one rank only) raise instead of mixing factors.
-        aux = zlib.crc32(f"powersgd:{self.rank}:{self.state.iter}".encode()) & 0x3FFF_FFFF
-        transport.check_same_call("compressed_allreduce", x, None, aux=aux)
+        transport.check_same_call(
+            "compressed_allreduce",
+            x,
+            None,
+            aux=self.state.iter,
+            codec=self.codec,
+            explain=lambda i: f"iteration {i}",
+        )
         out = torch_powersgd.powerSGD_hook(self.state, _HookBucket(x, index, last, shapes)).wait()
         nbytes = self._wire_bytes(shapes, x.element_size(), compressed)
         count_collective(self.name, "all_reduce", nbytes, n)
         return out.view_as(flat)
+
+    def compression_config(self) -> str:
+        """``PowerSGD(rank=..., start_iter=..., ...)``."""
+        return self._config
 
     def state_dict(self) -> dict:
         """Rounds and torch's ``PowerSGDState`` (as its ``__getstate__``, without the group)."""
@@ -213,9 +237,20 @@ class PowerSGDAllreduce(Communicator):
         return {**super().state_dict(), "powersgd": torch_state}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output."""
-        super().load_state_dict(state)
+        """Restore :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: ``state`` was saved with another configuration (``rank``,
+                ``start_iter``, ``min_compression_rate``, ``error_feedback``, ``warm_start``).
+        """
         saved = dict(state["powersgd"])
+        for slot, argument in _CONFIGURED.items():
+            if slot in saved and saved[slot] != getattr(self.state, slot):
+                raise ValueError(
+                    f"state was saved with {argument}={saved[slot]!r}; this "
+                    f"{type(self).__name__} runs {argument}={getattr(self.state, slot)!r}"
+                )
+        super().load_state_dict(state)
         rng = saved.pop("rng")
         keys = rng["keys"].numpy().astype(np.uint32)
         self.state.rng.set_state(("MT19937", keys, rng["pos"], rng["has_gauss"], rng["gauss"]))

@@ -30,9 +30,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gossamer import context
+from gossamer import context, transport
 from gossamer.communicators.base import Deferred, Pending, check_topology
 from gossamer.communicators.choco import contraction_quality, default_gamma
+from gossamer.communicators.compressed import configuration_id
 from gossamer.communicators.neighbor import Scheduled
 from gossamer.compression import Compressor, get_compressor
 from gossamer.errors import TopologyError
@@ -244,11 +245,31 @@ class WindowPutGossip(_WindowGossip):
         self.gamma = float(gamma)
 
     def bind(self, buckets: Sequence[Bucket]) -> None:
-        """As the base's; first, a compressor that is no contraction is refused."""
+        """As the base's; first, a compressor that is no contraction is refused.
+
+        Raises:
+            PeerError: ranks chose different compressors or consensus steps. Each put
+                names its compressor, so they would mix, and the average drift, silently.
+        """
         if self.compression is not None:
             for index, bucket in enumerate(buckets):
                 contraction_quality(self.compression, bucket.flat.numel(), f"bucket {index}")
+        codec = 0
+        if self.compression is not None:
+            codec = configuration_id(f"compression={self.compression.name!r}, gamma={self.gamma}")
+        probe = torch.empty(len(buckets))
+        transport.run(
+            "window_create",
+            lambda: transport.check_same_call("window_create", probe, None, codec=codec),
+            False,
+        )
         super().bind(buckets)
+
+    def compression_config(self) -> str:
+        """The compressor of the puts (as given)."""
+        if self.compression is None:
+            return super().compression_config()
+        return f"compression={self.compression.name!r}"
 
     def state_dict(self) -> dict:
         """As the base's, plus per window the copies of compressed puts (if compressed)."""

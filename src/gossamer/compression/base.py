@@ -36,8 +36,8 @@ class Payload:
         dtype: Dtype of the original tensor.
 
     Raises:
-        TypeError: ``buffer`` is not a ``torch.uint8`` tensor, or ``dtype`` is not a
-            ``torch.dtype``.
+        TypeError: ``buffer`` is not a ``torch.uint8`` tensor, ``shape`` is not a sequence
+            of ints, or ``dtype`` is not a ``torch.dtype``.
         ValueError: ``buffer`` is not 1-D and contiguous, or ``shape`` has a negative size.
     """
 
@@ -57,7 +57,10 @@ class Payload:
             )
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype; got {self.dtype!r}")
-        shape = torch.Size(self.shape)
+        try:
+            shape = torch.Size(self.shape)
+        except TypeError:
+            raise TypeError(f"shape must be a sequence of ints; got {self.shape!r}") from None
         if any(size < 0 for size in shape):
             raise ValueError(f"shape must have non-negative sizes; got {tuple(shape)}")
         # Frozen dataclass: normalise a tuple or list to torch.Size past __setattr__.

@@ -133,6 +133,8 @@ def _parse(cls: type[Compressor], params: list[str]) -> dict[str, object]:
 def _convert(text: str, kind: str, key: str) -> object:
     """Parse ``text`` as the field type ``kind`` (``float``, ``int`` or ``bool``)."""
     try:
+        if "_" in text:  # int() and float() take "1_6"; a spec means what it shows
+            raise ValueError(text)
         if kind == "bool":
             return {"true": True, "1": True, "false": False, "0": False}[text.lower()]
         if kind == "int":

@@ -247,9 +247,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         """Everything the next steps depend on besides the parameters.
 
         ``{"optimizer": <the wrapped optimizer's state dict>, "communication": {"algorithm",
-        "steps", **communicator.state_dict(), ...}}``: the algorithm's class name, step
-        counter, round counter, schedule position, generator state, window slots and
-        push-sum weights, exact diffusion's previous local step. Communication in flight is
+        "steps", "compression_config", **communicator.state_dict(), ...}}``: the algorithm's
+        class name, step counter, the compression (compressor, error feedback), round
+        counter, schedule position, generator state, window slots and push-sum weights,
+        exact diffusion's previous local step. Communication in flight is
         finished first, so take the model's state after this one.
         """
         self.synchronize()
@@ -261,8 +262,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: ``state`` is not such a dict, it was saved by another algorithm
                 (another ``gossamer.optim`` class; the BlueFog facade's classes count as the
-                class they wrap), or its communication state has keys this optimizer does
-                not know (another communicator or pattern).
+                class they wrap) or with another compression (compressor, error feedback),
+                or its communication state has keys this optimizer does not know (another
+                communicator or pattern).
         """
         if not isinstance(state, dict) or {"optimizer", "communication"} - set(state):
             raise ValueError("state must be a dict from DecentralizedOptimizer.state_dict()")
@@ -272,6 +274,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if saved is not None and saved != mine:  # states saved by earlier versions carry no name
             raise ValueError(
                 f"state was saved by {saved}; this optimizer runs {mine} ({type(self).__name__})"
+            )
+        saved = state["communication"].get("compression_config")
+        mine = self.communicator.compression_config()
+        if saved is not None and saved != mine:  # not saved by earlier versions
+            raise ValueError(
+                f"state was saved with {saved}; this {type(self).__name__} runs {mine}"
             )
         unknown = sorted(set(state["communication"]) - set(self._comm_state()))
         if unknown:
@@ -287,6 +295,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         return {
             "algorithm": self._algorithm(),
             "steps": self.steps,
+            "compression_config": self.communicator.compression_config(),
             **self.communicator.state_dict(),
         }
 

@@ -22,12 +22,24 @@ from collections.abc import Iterator
 import torch
 
 from gossamer.communicators import PushSumGossip, WindowPutGossip
+from gossamer.compression import get_compressor
 from gossamer.optim.combine import AdaptThenCombine, AdaptWithCombine
 from gossamer.optim.overlap import BucketwiseOptimizer
 from gossamer.profiling import timeline
 from gossamer.topology import Step, Topology
 
 __all__ = ["PushSum", "WindowAdaptThenCombine", "WindowPut"]
+
+
+# Options of the other optimizers that the window ones do not take, and why.
+_NOT_TAKEN = {
+    "communicator": "it communicates through its own windows",
+    "error_feedback": (
+        "a compressed put sends the change of the copy its destination holds, so nothing "
+        "is lost that a residual would keep"
+    ),
+    "global_average_every": "window rounds have no global-average variant",
+}
 
 
 class _OverWindows:
@@ -51,20 +63,25 @@ class _OverWindows:
         communication: str | None = None,
         **kwargs,
     ) -> None:
+        name = type(self).__name__
+        for key, why in _NOT_TAKEN.items():
+            if key in kwargs:
+                raise TypeError(f"{name} takes no {key}= (got {kwargs[key]!r}): {why}")
         compression = kwargs.pop("compression", None)
-        if compression not in (None, "none") and self.gossip is not WindowPutGossip:
+        given = get_compressor(compression).name  # a bad spec gets the registry's error
+        if given != "none" and self.gossip is not WindowPutGossip:
             raise ValueError(
-                f"{type(self).__name__}: compression={compression!r} is not built for push-sum "
+                f"{name}: compression={compression!r} is not built for push-sum "
                 "(its puts must carry the mass exactly: a compressed value, or an "
                 "error-feedback residual, loses or holds back some); "
                 "use WindowPut, or AdaptWithCombine with compression= (CHOCO-gossip)"
             )
         elastic = kwargs.pop("elastic", False)
         if not isinstance(elastic, bool):
-            raise TypeError(f"{type(self).__name__}: elastic must be a bool; got {elastic!r}")
+            raise TypeError(f"{name}: elastic must be a bool; got {elastic!r}")
         if communication not in (None, "neighbor_allreduce"):
             raise ValueError(
-                f"{type(self).__name__} communicates through windows; communication must be "
+                f"{name} communicates through windows; communication must be "
                 f"'neighbor_allreduce'; got {communication!r}"
             )
         if self.gossip is WindowPutGossip:

@@ -33,7 +33,7 @@ from gossamer.transport.checks import (
 from gossamer.transport.engine import run, submit
 from gossamer.transport.failures import find_lost, lost_error, wait_works
 from gossamer.transport.handle import Handle
-from gossamer.transport.header import DTYPES, HEADER_LEN, OPS, Header
+from gossamer.transport.header import DTYPES, HEADER_LEN, OPS, Header, codec_name, name_codec
 from gossamer.transport.liveness import get_liveness
 from gossamer.transport.membership import (
     Membership,
@@ -94,6 +94,7 @@ __all__ = [
     "check_topology",
     "check_weight",
     "check_weights",
+    "codec_name",
     "exchange",
     "exchange_rejected",
     "exchange_surviving",
@@ -110,6 +111,7 @@ __all__ = [
     "live_ranks",
     "membership_epoch",
     "lost_error",
+    "name_codec",
     "nbytes_of",
     "needs_staging",
     "on_membership_change",

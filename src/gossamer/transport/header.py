@@ -21,7 +21,7 @@ import torch
 
 from gossamer.errors import PeerError
 
-__all__ = ["DTYPES", "HEADER_LEN", "OPS", "Header"]
+__all__ = ["DTYPES", "HEADER_LEN", "OPS", "Header", "codec_name", "name_codec"]
 
 _MAGIC = 0x605_5A3E
 _MAX_DIMS = 10  # header slots for dims; further dims are folded into one product
@@ -85,6 +85,25 @@ OPS = (
     # Making a process group: every rank names the same members (aux: their checksum).
     "new_group",
 )
+
+
+# Codec ids are hashes of a configuration: the names this process gave them, for errors.
+_CODEC_NAMES: dict[int, str] = {}
+
+
+def name_codec(codec: int, name: str) -> int:
+    """Remember that ``codec`` stands for ``name`` (``"compression='uint8'"``); return it.
+
+    A mismatched call's error then names this rank's configuration, and says of a peer's
+    that this rank does not use it.
+    """
+    _CODEC_NAMES[codec] = name
+    return codec
+
+
+def codec_name(codec: int) -> str:
+    """What :func:`name_codec` named ``codec`` in this process (a peer's: its number)."""
+    return _CODEC_NAMES.get(codec, f"a configuration this rank does not use (codec {codec})")
 
 
 def _bits(value: float) -> int:
@@ -184,9 +203,14 @@ class Header:
         return same and self.shape == other.shape
 
     def describe(self, explain: Callable[[int], str] | None = None) -> str:
-        """``"allreduce (op sum) of float32[3, 4]"``: ``explain(aux)`` says what aux means."""
+        """``"allreduce (op sum) of float32[3, 4]"``: ``explain(aux)`` says what aux means.
+
+        A codec is named as :func:`codec_name` says (``"... with compression='uint8'"``).
+        """
         if explain is not None:
             extra = f" ({explain(self.aux)})"
         else:
             extra = f" (aux {self.aux})" if self.aux else ""
-        return f"{self.op}{extra} of {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+        of = f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+        coded = f" with {codec_name(self.codec)}" if self.codec else ""
+        return f"{self.op}{extra} of {of}{coded}"

@@ -123,6 +123,17 @@ def _posting(op: str, live, post: Callable[[], Any]) -> Any:
         raise translate(op, -1, err, live) from err
 
 
+def _check(op: str, tensor: torch.Tensor, **fields: int) -> None:
+    """Check that every rank makes this call, on the world group in program order.
+
+    Not on the posted group: a rank whose call goes through the communication thread
+    instead (another communicator, a compressed one) checks there, and the posted group is
+    made on first use, collectively, which such a rank never does. Either way the ranks
+    would wait for each other until the deadline instead of raising.
+    """
+    submit(op, lambda: check_same_call(op, tensor, None, **fields)).wait()
+
+
 def _check_live(op: str):
     live = get_liveness()
     if live is not None and live.lost:
@@ -142,9 +153,9 @@ def post_allreduce(op: str, tensor: torch.Tensor, *, check: bool) -> Posted:
         RankLostError: a rank was lost earlier.
     """
     live = _check_live(op)
-    group = _group()
     if check:
-        check_same_call(op, tensor, group)
+        _check(op, tensor)
+    group = _group()
     end_span = timeline.begin(op, "communicating")
     work = _posting(op, live, lambda: dist.all_reduce(tensor, group=group, async_op=True))
     size = dist.get_world_size(group)
@@ -208,9 +219,9 @@ def post_exchange_works(
     first, and work on each as it completes.
     """
     live = _check_live(op)
-    group, reverse = _group(), _reverse_group()
     if check:
-        check_same_call(op, tensor, group, aux=key, codec=codec)
+        _check(op, tensor, aux=key, codec=codec)
+    group, reverse = _group(), _reverse_group()
     sent = [(d, as_bytes(t)) for d, t in sends.items()]
     received = [(s, as_bytes(t)) for s, t in receives.items()]
     works = _posting(

@@ -32,6 +32,7 @@ from gossamer.bagua.algorithms.base import Algorithm, AlgorithmImpl
 from gossamer.bagua.algorithms.gradient_allreduce import check_bool
 from gossamer.bagua.bucket import BaguaBucket
 from gossamer.bagua.communicators import PEER_SELECTION_MODES
+from gossamer.bagua.compressed import resolve_compressor
 from gossamer.topology import Topology
 
 __all__ = [
@@ -277,6 +278,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         self.communication_interval = check_interval(communication_interval)
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a gossamer Topology; got {topology!r}")
+        resolve_compressor(compression)  # a bad name fails here, not at with_bagua
         self.compression = compression
         self.topology = topology
 
