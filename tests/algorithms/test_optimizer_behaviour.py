@@ -364,7 +364,7 @@ def _gradient_allreduce_misuse():
     model = nn.Linear(3, 1)
     opt = optim.GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.1), model)
     model(torch.ones(2, 3)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"'(weight|bias)' arrived after its bucket's allreduce"):
+    with pytest.raises(RuntimeError, match=r"'(weight|bias)' arrived 2 times before step\(\)"):
         model(torch.ones(2, 3)).sum().backward()
     opt.step()
     opt.close()
@@ -373,6 +373,99 @@ def _gradient_allreduce_misuse():
 
 def test_gradient_allreduce_refuses_sparse_gradients_and_a_pass_after_its_allreduce():
     assert run_distributed(_gradient_allreduce_misuse, 2) == [True, True]
+
+
+def _second_pass_with_an_unused_parameter():
+    # One bucket that waits for a parameter no pass reaches: it never starts in backward.
+    model = nn.ModuleDict({"used": nn.Linear(3, 1), "unused": nn.Linear(3, 1)})
+    opt = optim.GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    model["used"](torch.ones(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"'used\.(weight|bias)' arrived 2 times before step"):
+        model["used"](torch.ones(2, 3)).sum().backward()
+    opt.step()
+    opt.close()
+    return True
+
+
+def test_gradient_allreduce_refuses_a_second_pass_whatever_the_bucket_layout():
+    assert run_distributed(_second_pass_with_an_unused_parameter, 2) == [True, True]
+
+
+_CLOSURE_KINDS = {
+    "awc": optim.AdaptWithCombine,
+    "atc": optim.AdaptThenCombine,
+    "gradient_allreduce": optim.GradientAllreduce,
+    "bluefog_awc": "DistributedAdaptWithCombineOptimizer",
+    "bluefog_atc": "DistributedAdaptThenCombineOptimizer",
+}
+
+
+def _with_closure(kind, closure, steps=3):
+    import gossamer.bluefog as bf
+
+    cls = _CLOSURE_KINDS[kind]
+    cls = getattr(bf, cls) if isinstance(cls, str) else cls
+    model = linear_model()
+    opt = cls(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    A, b = least_squares_data(gossamer.rank())
+    losses = []
+    for _ in range(steps):
+
+        def loss_of():
+            opt.zero_grad()
+            loss = least_squares_loss(model, A, b)
+            loss.backward()
+            return loss
+
+        if closure:
+            losses.append(float(opt.step(loss_of)))
+        else:
+            losses.append(float(loss_of()))
+            opt.step()
+        assert not getattr(opt, "step_in_progress", False)
+    opt.close()
+    return model.weight.detach().clone(), losses
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kind", sorted(_CLOSURE_KINDS))
+def test_a_closure_steps_as_a_forward_and_backward_before_step(world_size, kind):
+    """step(closure) is the plain step, bit for bit, and returns the closure's loss.
+
+    Before, AWC ran the closure after writing the combine (its forward started a round
+    while the local step changed the parameters), the BlueFog ATC counted the closure's
+    pass after deciding the step was local, and ATC and gradient allreduce refused it.
+    """
+    with_closure = run_distributed(_with_closure, world_size, args=(kind, True))
+    plain = run_distributed(_with_closure, world_size, args=(kind, False))
+    for (w, losses), (w_ref, losses_ref) in zip(with_closure, plain, strict=True):
+        assert torch.equal(w, w_ref)
+        assert losses == losses_ref
+
+
+def _two_models():
+    torch.manual_seed(0)
+    enc, dec = nn.Linear(3, 4), nn.Linear(4, 1)
+    params = [*enc.parameters(), *dec.parameters()]
+    opt = optim.AdaptWithCombine(torch.optim.SGD(params, lr=0.1), [enc, dec])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.zero_grad()
+            dec(enc(torch.ones(2, 3))).sum().backward()
+            opt.step()
+        first = [str(w.message) for w in caught]
+        dec(enc(torch.ones(2, 3)))
+        dec(enc(torch.ones(2, 3)))  # the same model twice: a second forward
+    opt.step()
+    opt.close()
+    return first, [str(w.message) for w in caught]
+
+
+def test_a_list_of_models_run_once_each_is_one_forward():
+    for first, after in run_distributed(_two_models, 2):
+        assert first == []
+        assert any("ran forward more than once" in w for w in after), after
 
 
 def _awc_through_submodules():

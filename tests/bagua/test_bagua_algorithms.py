@@ -83,6 +83,24 @@ def test_gradient_allreduce_is_ddp_every_step():
     _check(run_distributed(_gradient_allreduce, 4, kwargs={"ddp": True}), [expected] * 4)
 
 
+def _frozen_first_layer():
+    bagua.init_process_group()
+    m = model(bagua.get_rank())  # every rank's own start, the frozen layer included
+    m[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
+    m.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+    return [p.detach().clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_with_bagua_gives_every_rank_rank_0s_frozen_parameters_too(world_size):
+    """As torch DDP: else gradients of different functions would be averaged."""
+    ranks = run_distributed(_frozen_first_layer, world_size)
+    start = list(model(0).parameters())
+    for params in ranks:
+        assert all(torch.equal(p, q) for p, q in zip(params, start, strict=True))
+
+
 @pytest.mark.parametrize(
     ("mode", "interval"), [("all", 1), ("shift_one", 1), ("shift_one", 2), ("all", 3)]
 )

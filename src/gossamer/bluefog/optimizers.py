@@ -54,6 +54,7 @@ from gossamer.optim import (
     GradientAllreduce,
     WindowPut,
 )
+from gossamer.optim.base import evaluate
 from gossamer.profiling import timeline
 
 __all__ = [
@@ -204,9 +205,13 @@ class _Passes(_BlueFogOptimizer):
         return self._pass_count() >= self.num_steps_per_communication
 
     def step(self, closure: Any = None) -> Any:
-        """The core step; a step that communicated starts the pass count again."""
+        """The core step; a step that communicated starts the pass count again.
+
+        A ``closure`` is evaluated first (its passes count toward this step).
+        """
+        loss = evaluate(closure)
         communicated = self._is_round()
-        loss = super().step(closure)
+        super().step()
         if communicated:
             self._passes = 0
         return loss
@@ -480,12 +485,17 @@ class DistributedWinPutOptimizer(_ForwardPasses, WindowPut):
             DecentralizedOptimizer.synchronize(self)
 
     def step(self, closure: Any = None) -> Any:
-        """Optional barrier, :meth:`synchronize`, then the wrapped optimizer's step."""
+        """Optional barrier, :meth:`synchronize`, then the wrapped optimizer's step.
+
+        A ``closure`` is evaluated first: its forward starts the puts.
+        """
+        loss = evaluate(closure)
         self._check_skip()
         if self.force_barrier:
             gossamer.barrier()
         self.synchronize()
-        return super().step(closure)  # nothing in flight now: the local step
+        super().step()  # nothing in flight now: the local step
+        return loss
 
     def unregister_window(self) -> None:
         """Free the optimizer's windows (collective); it cannot communicate afterwards."""

@@ -24,7 +24,7 @@ from gossamer.compression import Compressor
 from gossamer.fusion import Bucket, bucketize
 from gossamer.topology import Step, Topology
 
-__all__ = ["COMMUNICATIONS", "Communicator", "DecentralizedOptimizer"]
+__all__ = ["COMMUNICATIONS", "Communicator", "DecentralizedOptimizer", "evaluate"]
 
 DEFAULT_FUSION_BYTES = 8 * 2**20
 
@@ -422,6 +422,21 @@ def check_torch_optimizer(optimizer: object) -> None:
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer (not a gossamer one); got {optimizer!r}"
         )
+
+
+def evaluate(closure: Callable[[], object] | None) -> object:
+    """``closure()`` with gradients enabled, as torch's optimizers call it (None: None).
+
+    The optimizers evaluate a ``step(closure)``'s closure *before* their step, once: its
+    forward and backward passes then start the step's communication exactly as a forward
+    and backward before ``step()`` would, and the wrapped optimizer steps without it. So
+    optimizers that evaluate the closure several times (LBFGS) need their forward and
+    backward before ``step()`` instead.
+    """
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def _checked(step: Callable) -> Callable:

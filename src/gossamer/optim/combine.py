@@ -23,7 +23,7 @@ from collections.abc import Callable, Container
 import torch
 
 from gossamer import transport
-from gossamer.optim.base import DecentralizedOptimizer
+from gossamer.optim.base import DecentralizedOptimizer, evaluate
 from gossamer.optim.overlap import BucketwiseOptimizer, module_buckets
 from gossamer.profiling import timeline
 
@@ -53,6 +53,7 @@ class AdaptWithCombine(DecentralizedOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, model, **kwargs) -> None:
         super().__init__(optimizer, model, **kwargs)
         self._started = False
+        self._forwarded: set[int] = set()  # ids of the models run since the round started
         self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in self.models]
 
     def _before_forward(self, module, inputs) -> None:
@@ -61,12 +62,13 @@ class AdaptWithCombine(DecentralizedOptimizer):
         if not (module.training and torch.is_grad_enabled()):
             return
         if self._started:
-            if not self.warn_on_second_forward:
-                return
-            self._warn_once(
-                "the model ran forward more than once before step(); only the "
-                "first forward of a step starts communication"
-            )
+            # Several models (an encoder, then a decoder) each run once: no second forward.
+            if self.warn_on_second_forward and id(module) in self._forwarded:
+                self._warn_once(
+                    "the model ran forward more than once before step(); only the "
+                    "first forward of a step starts communication"
+                )
+            self._forwarded.add(id(module))
             return
         if self._is_round():
             try:
@@ -77,6 +79,7 @@ class AdaptWithCombine(DecentralizedOptimizer):
                 self._pending.clear()
                 raise
             self._started = True
+            self._forwarded = {id(module)}
 
     @property
     def step_in_progress(self) -> bool:
@@ -84,7 +87,12 @@ class AdaptWithCombine(DecentralizedOptimizer):
         return self._started
 
     def step(self, closure=None):
-        """Write the combined parameters, then take the wrapped optimizer's step."""
+        """Write the combined parameters, then take the wrapped optimizer's step.
+
+        A ``closure`` is evaluated first (see :func:`~gossamer.optim.base.evaluate`): its
+        forward starts the round.
+        """
+        loss = evaluate(closure)
         if self._is_round() and not self._started:
             self._warn_once(
                 "step() of a communication step, but no training-mode forward of the "
@@ -96,7 +104,7 @@ class AdaptWithCombine(DecentralizedOptimizer):
             # A round that failed is over too: the next forward must start (and fail at
             # once, after a rank loss), not skip communication as a second forward would.
             self._started = False
-        loss = self.optimizer.step(closure)
+        self.optimizer.step()
         self.steps += 1
         return loss
 
@@ -275,17 +283,14 @@ class AdaptThenCombine(BucketwiseOptimizer):
         """Finish the step: on communication steps, step and queue the buckets left.
 
         On other steps: wait for the combines in flight, then the wrapped optimizer's step.
+        A ``closure`` is evaluated first (see :func:`~gossamer.optim.base.evaluate`): its
+        backward pass takes the buckets' local steps.
         """
+        loss = evaluate(closure)
         if not self._is_round():
             self.synchronize()
-            loss = self.optimizer.step(closure)
-        elif closure is not None:
-            raise ValueError(
-                "AdaptThenCombine.step does not take a closure on communication "
-                "steps (the step is split per bucket)"
-            )
+            self.optimizer.step()
         else:
-            loss = None
             self._take_remaining_steps()
         self.steps += 1
         return loss

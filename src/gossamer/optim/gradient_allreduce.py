@@ -14,7 +14,7 @@ import torch
 from gossamer import ops
 from gossamer.communicators import Allreduce, Communicator
 from gossamer.compression import Compressor
-from gossamer.optim.base import DecentralizedOptimizer, NoSync
+from gossamer.optim.base import DecentralizedOptimizer, NoSync, evaluate
 from gossamer.transport import check_flag
 
 __all__ = ["GradientAllreduce"]
@@ -100,11 +100,13 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
             return
         self._dirty = True
         self._arrivals[param] += 1
-        if self._bucket_of[param] < self._launched:
+        J = self.num_steps_per_communication
+        # Also where the bucket waits for a parameter no pass reaches: the same misuse
+        # raises whatever the bucket layout.
+        if self._bucket_of[param] < self._launched or self._arrivals[param] > J:
             raise RuntimeError(
-                f"the gradient of {self.param_names[param]!r} arrived after its bucket's "
-                f"allreduce started (more than num_steps_per_communication="
-                f"{self.num_steps_per_communication} backward passes before step()): run the "
+                f"the gradient of {self.param_names[param]!r} arrived {self._arrivals[param]} "
+                f"times before step(), more than num_steps_per_communication={J}: run the "
                 "passes that only accumulate inside optimizer.no_sync()"
             )
         if self._arrivals[param] == self.num_steps_per_communication:
@@ -177,10 +179,13 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
         super().zero_grad(set_to_none)
 
     def step(self, closure=None):
-        """Wait for the averaged gradients, then take the wrapped optimizer's step."""
-        if closure is not None:
-            raise ValueError("GradientAllreduce.step does not take a closure")
+        """Wait for the averaged gradients, then take the wrapped optimizer's step.
+
+        A ``closure`` is evaluated first (see :func:`~gossamer.optim.base.evaluate`).
+        """
+        loss = evaluate(closure)
         self.synchronize()
         self.steps += 1
         self._accumulating = False
-        return self.optimizer.step()
+        self.optimizer.step()
+        return loss

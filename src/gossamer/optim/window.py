@@ -23,6 +23,7 @@ import torch
 
 from gossamer.communicators import PushSumGossip, WindowPutGossip
 from gossamer.compression import get_compressor
+from gossamer.optim.base import evaluate
 from gossamer.optim.combine import AdaptThenCombine, AdaptWithCombine
 from gossamer.optim.overlap import BucketwiseOptimizer
 from gossamer.profiling import timeline
@@ -151,7 +152,12 @@ class WindowPut(_OverWindows, AdaptWithCombine):
         self._started = False
 
     def step(self, closure=None):
-        """Combine the window buffers into the parameters, then the wrapped step."""
+        """Combine the window buffers into the parameters, then the wrapped step.
+
+        A ``closure`` is evaluated first (see :func:`~gossamer.optim.base.evaluate`): its
+        forward starts the puts.
+        """
+        loss = evaluate(closure)
         pending, self._pending = self._pending, []
         try:
             for bucket, round_, _ in pending:
@@ -160,7 +166,8 @@ class WindowPut(_OverWindows, AdaptWithCombine):
         finally:
             self._started = False  # a failed round is over too (see AdaptWithCombine.step)
         self.steps += 1
-        return self.optimizer.step(closure)
+        self.optimizer.step()
+        return loss
 
 
 class WindowAdaptThenCombine(_OverWindows, AdaptThenCombine):
@@ -251,14 +258,11 @@ class PushSum(_OverWindows, BucketwiseOptimizer):
 
     def step(self, closure=None):
         """Local step, then (on communication steps) push shares and collect."""
+        loss = evaluate(closure)  # its backward pass may already step and push buckets
         if not self._is_round():
-            loss = self.optimizer.step(closure)
+            self.optimizer.step()
             self.steps += 1
             return loss
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()  # its backward pass may already step and push buckets
         self._take_remaining_steps()
         self.synchronize()
         self.steps += 1

@@ -216,10 +216,11 @@ class BaguaDistributedDataParallel:
         return params
 
     def _bagua_broadcast_parameters(self) -> None:
-        """Rank 0's parameters, buffers and optimizer state on every rank."""
+        """Rank 0's parameters (frozen ones too, as torch DDP), buffers and optimizer state."""
         comm = self.process_group.get_global_communicator()
-        for _, param in self.bagua_build_params():
-            broadcast(param.data, src=0, comm=comm)
+        for name, param in self.module.named_parameters():
+            if name not in self.parameters_to_ignore:
+                broadcast(param.data, src=0, comm=comm)
         for name, buf in self.module.named_buffers():
             if name not in self.parameters_to_ignore:
                 broadcast(buf, src=0, comm=comm)
