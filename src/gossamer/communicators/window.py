@@ -251,11 +251,10 @@ class WindowPutGossip(_WindowGossip):
             PeerError: ranks chose different compressors or consensus steps. Each put
                 names its compressor, so they would mix, and the average drift, silently.
         """
+        codec = 0
         if self.compression is not None:
             for index, bucket in enumerate(buckets):
                 contraction_quality(self.compression, bucket.flat.numel(), f"bucket {index}")
-        codec = 0
-        if self.compression is not None:
             codec = configuration_id(f"compression={self.compression.name!r}, gamma={self.gamma}")
         probe = torch.empty(len(buckets))
         transport.run(
