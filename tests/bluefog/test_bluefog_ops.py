@@ -94,6 +94,7 @@ def _explicit_weights():
     # static, numpy weights and an int self weight are accepted
     srcs = {np.int64(s): np.float32(0.5) for s in bf.in_neighbor_ranks()}
     out["numpy"] = bf.neighbor_allreduce(x, self_weight=1, src_weights=srcs)
+    out["numpy_self"] = bf.neighbor_allreduce(x, self_weight=np.float32(1.0), src_weights=srcs)
     # dynamic: receive from rank+1, send to rank-1 (outside the exponential graph)
     out["move"] = bf.neighbor_allreduce(
         x, self_weight=0.0, src_weights={(r + 1) % n: 1.0}, dst_weights=[(r - 1) % n]
@@ -129,6 +130,7 @@ def test_explicit_and_dynamic_weights():
         ins = [i for i in range(n) if i != r and W[i, r]]
         assert_close(out["subset"], 0.25 * xs[r] + 0.75 * xs[ins[0]])
         assert_close(out["numpy"], xs[r] + 0.5 * sum(xs[i] for i in ins), rtol=1e-6, atol=1e-6)
+        assert torch.equal(out["numpy_self"], out["numpy"])  # a numpy self weight too
         assert_close(out["move"], xs[(r + 1) % n])
         assert_close(out["dst_weighted"], 0.5 * (xs[r] + sum(xs[i] for i in ins)))
         assert_close(out["alone"], 0.5 * xs[r])

@@ -355,6 +355,20 @@ def test_bad_input_and_freed_windows(world_size):
     assert all(run_distributed(_errors, world_size))
 
 
+def _free_against_a_barrier():
+    win = gossamer.Window.create(torch.zeros(3), name="mismatched")
+    start = time.monotonic()
+    with pytest.raises(gossamer.PeerError, match=r"rank 0 called window_free .* barrier"):
+        win.free() if gossamer.rank() == 0 else gossamer.barrier()
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_free_against_another_collective_raises_at_once(world_size):
+    # It was a bare barrier: it met the others' barrier, or waited for the deadline.
+    assert all(s < 10 for s in run_distributed(_free_against_a_barrier, world_size))
+
+
 def _load_slots_checks():
     win = gossamer.Window.create(torch.zeros(3), name="slots")
     src = win.in_neighbors[0]

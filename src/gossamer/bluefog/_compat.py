@@ -46,14 +46,20 @@ def plain_weights(weights: object) -> object:
     return plain_ranks(weights)
 
 
-def check_weight_types(self_weight: object, weights: object, what: str) -> None:
-    """Raise ``ValueError`` (BlueFog's documented error) for weights of the wrong kind."""
+def check_weight_types(self_weight: object, weights: object, what: str) -> object:
+    """``self_weight`` as a Python number (numpy's made plain, as the weights are).
+
+    Raises:
+        ValueError: (BlueFog's documented error) weights of the wrong kind.
+    """
+    self_weight = _plain(self_weight)
     if self_weight is not None and (
         isinstance(self_weight, bool) or not isinstance(self_weight, int | float)
     ):
-        raise ValueError(f"self_weight must be a float; got {self_weight!r}")
+        raise ValueError(f"self_weight must be a number (int or float); got {self_weight!r}")
     if weights is not None and not isinstance(weights, Mapping):
         raise ValueError(f"{what} must be a dict {{rank: weight}}; got {type(weights).__name__}")
+    return self_weight
 
 
 def need_float(tensor: object, op: str) -> None:

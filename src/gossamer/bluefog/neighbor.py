@@ -95,7 +95,7 @@ def _neighbor_allreduce(
 ) -> Any:
     need_float(tensor, "neighbor_allreduce")
     src_weights, dst_weights = plain_weights(src_weights), plain_weights(dst_weights)
-    check_weight_types(self_weight, src_weights, "src_weights")
+    self_weight = check_weight_types(self_weight, src_weights, "src_weights")
     return gossamer.neighbor_allreduce(
         tensor,
         self_weight=self_weight,
@@ -170,7 +170,7 @@ def _hierarchical(
     need_float(tensor, op)
     src = plain_weights(src_machine_weights)
     dst = plain_weights(dst_machine_weights)
-    check_weight_types(self_weight, src, "src_machine_weights")
+    self_weight = check_weight_types(self_weight, src, "src_machine_weights")
     if check:
         logger.warning("%s: enable_topo_check is not supported and is ignored", op)
     no_weights = self_weight is None and src is None and dst is None

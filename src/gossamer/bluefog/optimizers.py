@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 import gossamer
-from gossamer.bluefog._compat import plain_weights
+from gossamer.bluefog._compat import check_weight_types, plain_weights
 from gossamer.bluefog.timeline import parameter_activities
 from gossamer.communicators import make
 from gossamer.optim import (
@@ -338,7 +338,9 @@ class _Combine(_Passes):
         targets = _KNOB_TARGETS.get(self.communicator.name, {})
         for knob, attribute in targets.items():
             value = self._knobs[knob]
-            if knob != "self_weight":
+            if knob == "self_weight":
+                value = check_weight_types(value, None, knob)
+            else:
                 value = plain_weights(value)
             setattr(self.communicator, attribute, value)
 

@@ -130,7 +130,7 @@ def win_update(
             in-neighbours, or an unknown window.
     """
     weights = plain_weights(neighbor_weights)
-    check_weight_types(self_weight, weights, "neighbor_weights")
+    self_weight = check_weight_types(self_weight, weights, "neighbor_weights")
     if (self_weight is None) != (weights is None):
         raise ValueError(
             "win_update: self_weight and neighbor_weights must be given together; got "
@@ -171,7 +171,7 @@ def _write(
     require_mutex: bool,
 ) -> Handle:
     weights = plain_weights(dst_weights)
-    check_weight_types(self_weight, weights, "dst_weights")
+    self_weight = check_weight_types(self_weight, weights, "dst_weights")
     method = getattr(_window(name), kind)
     return method(
         tensor,

@@ -20,6 +20,10 @@ _GRACE_S = 30.0
 class Handle:
     """The pending result of an operation started with ``async_op=True``.
 
+    The operation reads its input tensor while it runs (as torch.distributed's and
+    BlueFog's asynchronous operations do): leave it unchanged until :meth:`wait`, or pass
+    a clone.
+
     Example:
         >>> handle = gossamer.allreduce(t, async_op=True)  # doctest: +SKIP
         >>> ...                                             # overlap other work

@@ -84,6 +84,8 @@ OPS = (
     "group_average",
     # Making a process group: every rank names the same members (aux: their checksum).
     "new_group",
+    # Freeing a window (aux: its id).
+    "window_free",
 )
 
 

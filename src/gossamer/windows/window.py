@@ -196,6 +196,11 @@ class Window:
         windows.client().submit(lambda: None).result()  # drain queued operations
 
         def body() -> None:
+            # A rank that called something else (or freed another window) raises at once,
+            # naming the calls, instead of meeting another collective's barrier.
+            transport.check_same_call(
+                "window_free", torch.empty(0), None, aux=state.wid, explain=_explain_free
+            )
             transport.wait_works("Window.free", [(-1, dist.barrier(async_op=True))])
             forget()
 
@@ -648,6 +653,10 @@ class Window:
             raise ValueError(f"Window.mutex: ranks must not repeat a rank; got {ranks!r}")
         state, svc = self._require(), registry().service
         return local_locks(svc, state, chosen) if for_self else remote_locks(svc, state, chosen)
+
+
+def _explain_free(aux: int) -> str:
+    return f"window id {aux}"
 
 
 def _explain_create(aux: int) -> str:
