@@ -89,7 +89,14 @@ def test_interrupted_or_changed_checkpoints_are_refused(tmp_path):
     (tmp_path / "rank0.pt").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=re.escape("does not match manifest.json")):
         checkpoint.load(tmp_path, model, opt)
-    (tmp_path / checkpoint.MANIFEST).unlink()
+    manifest = tmp_path / checkpoint.MANIFEST
+    manifest.write_text(manifest.read_text()[:25])  # truncated mid-string
+    with pytest.raises(CheckpointError, match=r"manifest\.json is not valid JSON"):
+        checkpoint.load(tmp_path, model, opt)
+    manifest.write_text("[]")
+    with pytest.raises(CheckpointError, match="not a gossamer checkpoint manifest"):
+        checkpoint.load(tmp_path, model, opt)
+    manifest.unlink()
     with pytest.raises(CheckpointError, match=re.escape("has no manifest.json: the save was")):
         checkpoint.load(tmp_path, model, opt)
 

@@ -132,6 +132,7 @@ def test_bad_nnodes_exits_2_and_names_it(nodes, capsys):
         (["run", "-np", "2"], "no program"),
         (["run", "-np", "2", "-m"], "no program"),
         (["run", "-np", "2", "missing.py"], "script 'missing.py' does not exist"),
+        (["run", "-np", "2", "/"], "script '/' is a directory, not a script"),
         (["run", "-np", "3", "--nnodes", "2", "--rdzv-endpoint", "h:1", "a.py"], "divisible"),
         (["run", "-np", "4", "--nnodes", "2", "a.py"], "--rdzv-endpoint"),
         (["run", "-np", "4", "-H", "a:2,b:2", "--nnodes", "2", "a.py"], "cannot be combined"),
@@ -276,6 +277,10 @@ def test_fault_options_reach_torchrun():
         (["--checkpoint-dir", "ck"], "--checkpoint-dir and --checkpoint-every go together"),
         (["--checkpoint-every", "5"], "--checkpoint-dir and --checkpoint-every go together"),
         (["-H", "localhost:2", "--max-restarts", "1"], "--max-restarts needs the c10d"),
+        (
+            ["--checkpoint-dir", __file__, "--checkpoint-every", "3"],
+            "exists and is not a directory",
+        ),
     ],
 )
 def test_bad_fault_options_are_refused(argv, words):

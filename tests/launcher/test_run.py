@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -154,6 +155,21 @@ def test_hosts_start_one_agent_per_machine(tmp_path):
         "rank 2 of 3",
     ]
     assert {line.split(" machine ")[1] for line in lines} == {"0/3", "1/3", "2/3"}
+
+
+def test_an_unreachable_host_fails_the_job_at_once_naming_it(tmp_path):
+    # A fake ssh that cannot resolve the name, as ssh exits: the local agent waits in the
+    # rendezvous for it, and the launcher used to wait for that agent first.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ssh").write_text('#!/bin/sh\necho "ssh: Could not resolve hostname" >&2\nexit 255\n')
+    (fake / "ssh").chmod(0o755)
+    env = {"PATH": f"{fake}:{os.environ['PATH']}"}
+    start = time.monotonic()
+    done = _gossamer(["-np", "2", "-H", "localhost:1,nowhere:1", "REPORT"], tmp_path, env=env)
+    assert done.returncode == 255, done.stderr
+    assert "the agent on nowhere exited with code 255 (ssh could not reach it?)" in done.stderr
+    assert time.monotonic() - start < 60  # not the rendezvous' timeout
 
 
 @pytest.mark.parametrize(

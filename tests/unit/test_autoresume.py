@@ -126,3 +126,9 @@ def test_bad_arguments_are_named(kwargs, error, words, monkeypatch):
     monkeypatch.delenv("GOSSAMER_CHECKPOINT_EVERY", raising=False)
     with pytest.raises(error, match=words):
         AutoResume(*_job(), **kwargs)
+
+
+def test_a_directory_that_is_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"'.*file' exists and is not a directory"):
+        AutoResume(*_job(), directory=tmp_path / "file", every=3)

@@ -107,6 +107,9 @@ class AutoResume:
             raise ValueError(f"every must be an integer >= 1 with a directory; got {every!r}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an integer >= 1; got {keep!r}")
+        if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
+            # Else the first save fails, `every` steps into training.
+            raise ValueError(f"directory {str(directory)!r} exists and is not a directory")
         self.model, self.optimizer = model, optimizer
         self.directory = None if directory is None else Path(directory)
         self.every, self.keep, self.resize = every, keep, resize

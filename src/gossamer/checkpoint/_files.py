@@ -144,8 +144,15 @@ def read_manifest(directory: Path) -> dict:
             f"path {str(directory)!r} has no {MANIFEST}: the save was interrupted before every "
             "rank had written its file, or this is not a gossamer checkpoint"
         )
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{manifest_path} is not valid JSON ({err}): corrupted?") from err
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or manifest.get("format_version") != FORMAT_VERSION
+    ):
         raise CheckpointError(
             f"{manifest_path} is not a gossamer checkpoint manifest of format version "
             f"{FORMAT_VERSION}"

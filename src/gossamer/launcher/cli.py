@@ -350,7 +350,8 @@ def _plan(args: argparse.Namespace, command: list[str]) -> _Plan:
     if not command or command == ["-m"]:
         raise ValueError("no program given: add `script.py [args]` or `-m module [args]`")
     if command[0] != "-m" and not os.path.isfile(command[0]):
-        raise ValueError(f"script {command[0]!r} does not exist")
+        missing = "is a directory, not a script" if os.path.isdir(command[0]) else "does not exist"
+        raise ValueError(f"script {command[0]!r} {missing}")
     log_dir = _log_dir(args.log_dir)
     _check_fault_options(args)
     if args.hosts and (args.nnodes or args.rdzv_endpoint):
@@ -454,6 +455,11 @@ def _check_fault_options(args: argparse.Namespace) -> None:
         raise ValueError("--checkpoint-dir and --checkpoint-every go together")
     if args.checkpoint_dir == "":
         raise ValueError("--checkpoint-dir must name a directory; got ''")
+    ckpt = args.checkpoint_dir
+    if ckpt and os.path.exists(ckpt) and not os.path.isdir(ckpt):
+        # Else the first save fails, steps into training.
+        path = os.path.abspath(ckpt)
+        raise ValueError(f"--checkpoint-dir {path!r} exists and is not a directory")
     if args.max_restarts and (args.hosts or args.node_rank is not None):
         # A static rendezvous cannot bring the other machines' agents into a restart.
         raise ValueError(

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 from gossamer.launcher.output import Forwarder
@@ -144,7 +145,7 @@ def run_hosts(
             if not is_local_host(host):
                 argv = _over_ssh(host, argv, ssh_port)
             agents.append((_start(argv, forwarder), count))
-        code = _wait_all(agents)
+        code = _wait_all(agents, [host for host, _ in hosts])
     except Interrupted as err:
         running = [(proc, count) for proc, count in agents if proc.poll() is None]
         _signal_all(running, signal.SIGTERM)
@@ -184,14 +185,30 @@ def _signal_all(agents: list[tuple[subprocess.Popen, int]], sig: int) -> None:
                 proc.send_signal(sig)
 
 
-def _wait_all(agents: list[tuple[subprocess.Popen, int]]) -> int:
-    """Wait for every agent; once one fails, stop the others and return its code."""
+def _wait_all(agents: list[tuple[subprocess.Popen, int]], hosts: list[str]) -> int:
+    """Wait for every agent; once one fails, name its host, stop the others, return its code.
+
+    Agents are polled, not waited for in turn: an agent that ssh could not start exits at
+    once while the first one waits in the rendezvous for it.
+    """
     code = 0
-    for proc, _ in agents:
-        status = proc.wait()
-        if status and not code:
-            code = status if status > 0 else 128 - status
-            _signal_all(agents, signal.SIGTERM)
+    running = dict(enumerate(proc for proc, _ in agents))
+    while running:
+        for i, proc in list(running.items()):
+            status = proc.poll()
+            if status is None:
+                continue
+            del running[i]
+            if status and not code:
+                code = status if status > 0 else 128 - status
+                why = " (ssh could not reach it?)" if status == 255 else ""
+                print(
+                    f"gossamer run: the agent on {hosts[i]} exited with code {status}{why}; "
+                    "stopping the others",
+                    file=sys.stderr,
+                )
+                _signal_all(agents, signal.SIGTERM)
+        time.sleep(0.05)
     return code
 
 

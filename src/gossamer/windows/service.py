@@ -563,8 +563,9 @@ class Service:
             self.group.abort()
         except Exception:  # already broken: nothing is left to end
             logger.debug("window service: abort failed", exc_info=True)
+        end = time.monotonic() + 2.0  # for all of them: a rank that raised exits soon
         for thread in self._threads.values():
-            thread.join(timeout=2.0)
+            thread.join(timeout=max(end - time.monotonic(), 0.0))
         self._end_reaper()
 
     def stop(self, ring: list[int] | None = None) -> None:
