@@ -142,6 +142,31 @@ def test_elastic_survivors_finish_and_the_launch_exits_0(tmp_path):
     assert "was killed by signal SIGKILL; the others went on (--elastic)" in done.stderr
 
 
+# Rank 1 finishes early (less data) with code 0; gradient allreduce is not elastic, so
+# the others raise RankLostError naming it.
+EARLY_FINISH = textwrap.dedent(r"""
+    import torch
+    import gossamer
+    from gossamer import optim
+    gossamer.init()
+    rank = gossamer.rank()
+    model = torch.nn.Linear(3, 1)
+    opt = optim.GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.05), model)
+    for step in range(2 if rank == 1 else 50):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).pow(2).mean().backward()
+        opt.step()
+    gossamer.shutdown()
+""")
+
+
+def test_elastic_ranks_that_all_fail_after_an_early_finisher_fail_the_launch(tmp_path):
+    # It exited 0: the early finisher counted as a rank that went on.
+    done = _gossamer(["-np", "3", "--elastic", "job.py"], tmp_path, EARLY_FINISH, timeout=300)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "RankLostError" in done.stderr and "rank 1 was lost" in done.stderr
+
+
 @pytest.mark.parametrize(("size", "how"), [(2, "kill"), (3, "exit")])
 def test_elastic_a_rank_dead_before_init_fails_the_others_init_naming_it(tmp_path, size, how):
     # torch's rendezvous would wait GOSSAMER_TIMEOUT for rank 1, then raise its store error;

@@ -6,7 +6,8 @@ failed; the agent then restarts the group or gives up. Ranks that train with
 ``elastic=True`` gossip could have gone on. :class:`SurvivingAgent` changes only that
 policy: it polls the rank processes itself, records a rank that failed (killed, or a
 non-zero exit) as *lost*, and reports the group healthy while at least ``min_ranks`` of
-this agent's ranks are alive (running, or finished with code 0). Below that it reports
+this agent's ranks are alive (running, or finished with code 0 after the last loss: a rank
+that finished before a loss did not go on without the lost one). Below that it reports
 the group failed with every loss so far, and torchrun does what it always does: restart
 the group (``--max-restarts``) or stop it. When every rank has ended and at least
 ``min_ranks`` ended with code 0, the group has succeeded; the lost ranks are kept in
@@ -46,9 +47,9 @@ class SurvivingAgent(LocalElasticAgent):
     """A :class:`LocalElasticAgent` whose ranks outlive a dead peer.
 
     Args:
-        min_ranks (int): the fewest of this agent's ranks that must be alive (running or
-            finished with code 0); fewer fails the group (torchrun then restarts it or
-            stops). 1 lets the job run on as long as any rank does.
+        min_ranks (int): the fewest of this agent's ranks that must be alive (running, or
+            finished with code 0 after the last loss); fewer fails the group (torchrun then
+            restarts it or stops). 1 lets the job run on as long as any rank does.
         **kwargs: :class:`LocalElasticAgent`'s arguments.
 
     Attributes:
@@ -62,6 +63,7 @@ class SurvivingAgent(LocalElasticAgent):
         super().__init__(**kwargs)
         self.min_ranks = min_ranks
         self.lost: dict[int, ProcessFailure] = {}
+        self._before_loss: set[int] = set()  # ranks that finished with 0 before a loss
         self._watched: object | None = None  # the process context `lost` belongs to
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -80,14 +82,19 @@ class SurvivingAgent(LocalElasticAgent):
         if handlers is None:  # function entry points (not started by the launcher)
             return super()._monitor_workers(worker_group)
         if pcontext is not self._watched:  # a new attempt: forget the last one's losses
-            self._watched, self.lost = pcontext, {}
-        running = 0
-        for local_rank, handler in handlers.items():
-            code = handler.proc.poll()
-            global_rank = worker_group.workers[local_rank].global_rank
-            if code is None:
-                running += 1
-            elif code != 0 and global_rank not in self.lost:
+            self._watched, self.lost, self._before_loss = pcontext, {}, set()
+        codes = {
+            local_rank: (worker_group.workers[local_rank].global_rank, handler.proc.poll())
+            for local_rank, handler in handlers.items()
+        }
+        running = sum(code is None for _, code in codes.values())
+        finished = {rank for rank, code in codes.values() if code == 0}
+        for local_rank, (global_rank, code) in codes.items():
+            handler = handlers[local_rank]
+            if code not in (None, 0) and global_rank not in self.lost:
+                # Ranks already done did not go on without it (an early finisher, and the
+                # others then raising RankLostError, is a failed job).
+                self._before_loss |= finished
                 self.lost[global_rank] = ProcessFailure(
                     local_rank=local_rank,
                     pid=handler.proc.pid,
@@ -95,7 +102,7 @@ class SurvivingAgent(LocalElasticAgent):
                     error_file=pcontext.error_files[local_rank],  # type: ignore[union-attr]
                 )
                 self._mark_dead(worker_group, global_rank)
-        if len(handlers) - len(self.lost) < self.min_ranks:
+        if len(handlers) - len(self.lost) - len(self._before_loss) < self.min_ranks:
             # torchrun's own path from here: stop the rest, then restart or give up.
             return RunResult(state=WorkerState.FAILED, failures=dict(self.lost))
         if running:
