@@ -136,14 +136,19 @@ def test_module_mode_runs_pytest_under_the_launcher(tmp_path):
     assert done.stdout.count("1 passed") == 2
 
 
+def _fake_ssh(tmp_path, body):
+    """The environment of a launch whose `ssh` is a shell script of ``body``."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ssh").write_text(f"#!/bin/sh\n{body}\n")
+    (fake / "ssh").chmod(0o755)
+    return {"PATH": f"{fake}:{os.environ['PATH']}"}
+
+
 def test_hosts_start_one_agent_per_machine(tmp_path):
     # Two "machines" on this host (both names are local), plus a fake ssh for a remote name:
     # the remote agent is started through `ssh HOST CMD`, which the fake runs here.
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "ssh").write_text('#!/bin/sh\nshift 3\nexec sh -c "$1"\n')
-    (fake / "ssh").chmod(0o755)
-    env = {"PATH": f"{fake}:{os.environ['PATH']}"}
+    env = _fake_ssh(tmp_path, 'shift 3\nexec sh -c "$1"')
     done = _gossamer(
         ["-np", "3", "-H", "localhost:1,127.0.0.1:1,elsewhere:1", "REPORT"], tmp_path, env=env
     )
@@ -160,11 +165,7 @@ def test_hosts_start_one_agent_per_machine(tmp_path):
 def test_an_unreachable_host_fails_the_job_at_once_naming_it(tmp_path):
     # A fake ssh that cannot resolve the name, as ssh exits: the local agent waits in the
     # rendezvous for it, and the launcher used to wait for that agent first.
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "ssh").write_text('#!/bin/sh\necho "ssh: Could not resolve hostname" >&2\nexit 255\n')
-    (fake / "ssh").chmod(0o755)
-    env = {"PATH": f"{fake}:{os.environ['PATH']}"}
+    env = _fake_ssh(tmp_path, 'echo "ssh: Could not resolve hostname" >&2\nexit 255')
     start = time.monotonic()
     done = _gossamer(["-np", "2", "-H", "localhost:1,nowhere:1", "REPORT"], tmp_path, env=env)
     assert done.returncode == 255, done.stderr

@@ -208,7 +208,8 @@ def _wait_all(agents: list[tuple[subprocess.Popen, int]], hosts: list[str]) -> i
                     file=sys.stderr,
                 )
                 _signal_all(agents, signal.SIGTERM)
-        time.sleep(0.05)
+        if running:
+            time.sleep(0.05)
     return code
 
 
