@@ -44,7 +44,7 @@ from gossamer.transport import (
     reject,
 )
 from gossamer.windows.locks import local_locks, remote_locks
-from gossamer.windows.registry import registry
+from gossamer.windows.registry import Registry, registry
 from gossamer.windows.requests import issue
 from gossamer.windows.service import (
     COMPRESSED,
@@ -209,12 +209,18 @@ class Window:
                 windows.service.windows.pop(state.wid, None)
                 windows.stop_service_if_idle(ring)
 
-        self._state = None
-        windows.windows.pop(self.name, None)
         if state.elastic and context.size() > 1:
+            self._forget_name(windows)
             forget(list(transport.gather_live(f"window.free/{state.wid}", 0)))
         else:
+            # A mismatched call raises here, before the window is forgotten: it can still
+            # be freed (at shutdown, collectively, with the others').
             transport.run("Window.free", body, False)
+            self._forget_name(windows)
+
+    def _forget_name(self, windows: Registry) -> None:
+        self._state = None
+        windows.windows.pop(self.name, None)
 
     def __enter__(self) -> Window:
         return self
