@@ -101,9 +101,9 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
         self._dirty = True
         self._arrivals[param] += 1
         J = self.num_steps_per_communication
-        # Also where the bucket waits for a parameter no pass reaches: the same misuse
-        # raises whatever the bucket layout.
-        if self._bucket_of[param] < self._launched or self._arrivals[param] > J:
+        # By the count, not by whether the bucket started: a bucket that waits for a
+        # parameter no pass reaches never starts in backward, and the misuse is the same.
+        if self._arrivals[param] > J:
             raise RuntimeError(
                 f"the gradient of {self.param_names[param]!r} arrived {self._arrivals[param]} "
                 f"times before step(), more than num_steps_per_communication={J}: run the "
