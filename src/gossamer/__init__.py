@@ -190,6 +190,10 @@ def __getattr__(name: str) -> Any:
     """A public name or a submodule (``gossamer.optim``), imported on first access."""
     source = _SOURCES.get(name)
     if source is not None:
+        if source == "gossamer.context":
+            # The transport hooks into init and shutdown (every rank's heartbeat starts at
+            # init, a rank that leaves says so): it must be there before the first init.
+            importlib.import_module("gossamer.transport")
         value = getattr(importlib.import_module(source), name)
         globals()[name] = value  # later lookups skip this function
         return value

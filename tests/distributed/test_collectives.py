@@ -145,6 +145,24 @@ def test_mismatched_dtype_root_and_average_raise():
     assert run_distributed(_mismatched_dtype_and_root, 2) == [True, True]
 
 
+def _different_operations():
+    with pytest.raises(PeerError) as info:
+        if gossamer.rank() == 0:
+            gossamer.allreduce(torch.zeros(3))
+        else:
+            gossamer.broadcast(torch.zeros(3), root=0)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_peers_other_operation_is_described_by_what_its_aux_means(world_size):
+    # Every rank names both calls in words, also the one it did not make itself.
+    for message in run_distributed(_different_operations, world_size):
+        assert "rank 0 called allreduce (op average) of float32[3]" in message
+        assert "rank 1 called broadcast (root 0) of float32[3]" in message
+        assert "aux" not in message
+
+
 def _bad_arguments():
     x = torch.zeros(3)
     cases = [

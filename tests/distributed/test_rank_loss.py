@@ -72,24 +72,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("op", sorted(CASES))
-def test_survivors_name_the_killed_rank(op, tmp_path):
-    world, victim, extra = CASES[op]
+def _launch(tmp_path, script_text, world, args, extra):
+    """Run ``script_text`` as ``world`` ranks; return each rank's process and output."""
     script = tmp_path / "victim.py"
-    script.write_text(SCRIPT)
-    mark = tmp_path / "killed_at"
+    script.write_text(script_text)
     env = {
         **os.environ,
-        **extra,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world),
         # the deadline the survivors must beat, by far; the test fails on a hang long before
         "GOSSAMER_TIMEOUT": "60",
+        **extra,
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), op, str(victim), str(mark)],
+            [sys.executable, str(script), *args],
             env={**env, "RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -105,6 +103,20 @@ def test_survivors_name_the_killed_rank(op, tmp_path):
             for p in procs:
                 p.kill()
             pytest.fail(f"rank {r} hung: {proc.communicate()[0]}")
+    return procs, outputs
+
+
+def _report(output):
+    lines = [ln for ln in output.splitlines() if ln.startswith("REPORT ")]
+    assert lines, output
+    return json.loads(lines[0].removeprefix("REPORT "))
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_survivors_name_the_killed_rank(op, tmp_path):
+    world, victim, extra = CASES[op]
+    mark = tmp_path / "killed_at"
+    procs, outputs = _launch(tmp_path, SCRIPT, world, [op, str(victim), str(mark)], extra)
     exited_at = time.time()
     assert procs[victim].returncode == -9
     killed_at = float(mark.read_text())
@@ -113,9 +125,7 @@ def test_survivors_name_the_killed_rank(op, tmp_path):
         if r == victim:
             continue
         assert procs[r].returncode == 0, outputs[r]  # raised, then exited normally
-        lines = [ln for ln in outputs[r].splitlines() if ln.startswith("REPORT ")]
-        assert lines, outputs[r]
-        report = json.loads(lines[0].removeprefix("REPORT "))
+        report = _report(outputs[r])
         assert report["error"] == "RankLostError", report
         assert report["lost"] == [victim], report
         assert f"rank {victim} was lost" in report["message"], report
@@ -126,3 +136,68 @@ def test_survivors_name_the_killed_rank(op, tmp_path):
     assert max(delays) < 20.0, delays
     print(f"{op}: survivors raised {[round(d, 2) for d in delays]} s after the kill")
     assert exited_at - killed_at < 120
+
+
+LEAVER = textwrap.dedent(r"""
+    import json, os, signal, sys, torch, gossamer
+
+    gossamer.init()
+    rank = gossamer.rank()
+    if rank != 0 and sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)  # dies before its first call: no clean-up
+    if rank == 1:
+        gossamer.shutdown()  # leaves before the call its peers make
+    if rank != 0:
+        sys.exit(0)  # rank 2 leaves by the program's end (shutdown at exit)
+    report = {}
+    for op in ("neighbor_allreduce", "allreduce"):
+        try:
+            getattr(gossamer, op)(torch.ones(3))
+            report[op] = "no error"
+        except Exception as err:
+            report[op] = [type(err).__name__, getattr(err, "ranks", None), str(err)]
+    os.write(1, ("REPORT " + json.dumps(report) + "\n").encode())
+""")
+
+
+@pytest.mark.parametrize("how", ["leave", "kill"])
+def test_ranks_gone_before_their_first_call_are_named(how, tmp_path):
+    # Ranks that left by shutdown() mark it in the store: the call that finds their
+    # connections closed names them at once (the heartbeats alone would take
+    # GOSSAMER_DEAD_AFTER, here longer than the deadline). Ranks killed before any call
+    # are found by their heartbeats, which start at init.
+    extra = {"GOSSAMER_DEAD_AFTER": "600" if how == "leave" else "3"}
+    procs, outputs = _launch(tmp_path, LEAVER, 3, [how], extra)
+    codes = [0, 0, 0] if how == "leave" else [0, -9, -9]
+    assert [p.returncode for p in procs] == codes, outputs
+    report = _report(outputs[0])
+    for op in ("neighbor_allreduce", "allreduce"):
+        kind, ranks, message = report[op]
+        assert kind == "RankLostError" and ranks == [1, 2], report
+        assert message.startswith(f"{op}: ranks [1, 2] were lost"), report
+
+
+HANGER = textwrap.dedent(r"""
+    import json, os, time, torch, gossamer
+
+    gossamer.init()
+    if gossamer.rank() == 1:
+        time.sleep(12)  # hangs outside gossamer, alive: its heartbeat goes on
+    else:
+        try:
+            gossamer.allreduce(torch.ones(3))
+        except Exception as err:
+            report = [type(err).__name__, str(err)]
+            os.write(1, ("REPORT " + json.dumps(report) + "\n").encode())
+""")
+
+
+def test_a_timeout_tells_which_rank_hung_outside_gossamer(tmp_path):
+    procs, outputs = _launch(tmp_path, HANGER, 3, [], {"GOSSAMER_TIMEOUT": "4"})
+    for r, other in ((0, 2), (2, 0)):
+        kind, message = _report(outputs[r])
+        assert kind == "CommunicationTimeout", message
+        assert message.endswith(
+            "waiting for all ranks (at their last heartbeat: rank 1 in no gossamer "
+            f"operation; rank {other} waiting in allreduce)"
+        ), message

@@ -69,6 +69,35 @@ def test_a_rank_with_a_tombstone_is_lost_at_once(alive):
     assert alive.check() == {2}  # no wait for the counter to go stale
 
 
+def test_ranks_that_left_name_the_ranks_they_had_found_lost_else_themselves(alive):
+    store = alive._store
+    store.set("gossamer/left/2", "")  # what shutdown() writes, with no rank lost
+    assert alive.check_left(peer=1) == set() and alive.lost == set()
+    assert alive.check_left() == {2} and alive.lost == {2}
+    store.set("gossamer/left/3", "0,1")  # rank 3 had found ranks 0 (this one) and 1 lost
+    assert alive.check_left(peer=3) == {1}  # never this rank itself
+    assert alive.lost == {1, 2}
+
+
+def test_a_timeout_says_where_the_other_ranks_were_waiting(world_of_one, alive):
+    store = alive._store
+    store.set("gossamer/alive/1", "7 ")  # beating, in no operation
+    store.set("gossamer/alive/2", "5 allreduce")
+    store.set("gossamer/alive/3", "9 allreduce")
+    assert alive.activities() == {1: "", 2: "allreduce", 3: "allreduce"}
+    timeout = RuntimeError("Timed out waiting 5000ms")
+    assert str(translate("allreduce", -1, timeout, alive)).endswith(
+        "waiting for all ranks (at their last heartbeat: rank 1 in no gossamer operation; "
+        "ranks [2, 3] waiting in allreduce)"
+    )
+    assert str(translate("neighbor_allreduce", 2, timeout, alive)).endswith(
+        "waiting for rank 2 (at its last heartbeat: rank 2 waiting in allreduce)"
+    )
+    alive.report(lambda: "broadcast")
+    alive._beat()
+    assert store.get("gossamer/alive/0").endswith(b" broadcast")
+
+
 def test_an_unreachable_store_means_its_host_is_lost():
     live = Liveness(dist.HashStore(), rank=1, size=3, store_host=0)
 

@@ -181,15 +181,18 @@ def new_group(
     def body() -> dist.ProcessGroup | None:
         listed = torch.tensor(chosen, dtype=torch.int64)
         checksum = zlib.crc32(listed.numpy().tobytes())
-        transport.check_same_call(
-            "new_group", listed, None, checksum, explain=lambda aux: f"ranks checksum {aux}"
-        )
+        transport.check_same_call("new_group", listed, None, checksum)
         if not chosen:
             return None
         return dist.new_group(chosen, timeout=timedelta(seconds=context.timeout()))
 
     group = transport.run("new_group", body, False)
     return BaguaProcessGroup(chosen, stream, str(next(state().group_ids)), torch_group=group)
+
+
+@transport.explains_aux("new_group")
+def _explain_members(checksum: int) -> str:
+    return f"ranks checksum {checksum}"
 
 
 def _checked_ranks(ranks: object, size: int) -> list[int]:

@@ -86,11 +86,13 @@ def reduce_code(op: str) -> int:
     return REDUCE_OPS.index(op)
 
 
+@transport.explains_aux("allreduce", "reduce_scatter")
 def explain_reduce(code: int) -> str:
     """What :func:`reduce_code` wrote, for an error: ``"op sum"``."""
     return f"op {REDUCE_OPS[code]}" if 0 <= code < len(REDUCE_OPS) else f"op #{code}"
 
 
+@transport.explains_aux("broadcast", "gather", "scatter")
 def explain_root(root: int) -> str:
     """A rooted call's aux, for an error."""
     return f"root {root}"

@@ -19,7 +19,6 @@ from gossamer.errors import PeerError
 from gossamer.ops._common import (
     SUM_DTYPES,
     check_reduce_op,
-    explain_reduce,
     narrow_into,
     reduce_code,
     reject,
@@ -93,9 +92,7 @@ def reduce_scatter(
         raise
 
     def body() -> torch.Tensor:
-        transport.check_same_call(
-            "reduce_scatter", tensor, group, aux=reduce_code(op), explain=explain_reduce
-        )
+        transport.check_same_call("reduce_scatter", tensor, group, aux=reduce_code(op))
         wide = widen(tensor.contiguous())
         block = torch.empty(
             (tensor.shape[0] // size, *tensor.shape[1:]), dtype=wide.dtype, device=wide.device

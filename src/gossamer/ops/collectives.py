@@ -20,8 +20,6 @@ from gossamer.ops._common import (
     SUM_DTYPES,
     check_reduce_op,
     exchange_blocks,
-    explain_reduce,
-    explain_root,
     reduce_code,
     reduce_in_place,
     reject,
@@ -94,9 +92,7 @@ def _allreduce(tensor, average, op, group, async_op, inplace) -> torch.Tensor | 
         raise
 
     def body() -> torch.Tensor:
-        transport.check_same_call(
-            "allreduce", tensor, group, aux=reduce_code(op), explain=explain_reduce
-        )
+        transport.check_same_call("allreduce", tensor, group, aux=reduce_code(op))
         out = _buffer(tensor, inplace)
         reduce_in_place(out, op, group)
         return _result(tensor, out, inplace)
@@ -171,7 +167,7 @@ def _broadcast(tensor, root, group, async_op, inplace) -> torch.Tensor | Handle:
         raise
 
     def body() -> torch.Tensor:
-        transport.check_same_call("broadcast", tensor, group, aux=root, explain=explain_root)
+        transport.check_same_call("broadcast", tensor, group, aux=root)
         out = _buffer(tensor, inplace)
         global_root = root if group is None else dist.get_global_rank(group, root)
         work = dist.broadcast(as_bytes(out), global_root, group=group, async_op=True)

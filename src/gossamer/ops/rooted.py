@@ -44,6 +44,7 @@ __all__ = ["gather", "reduce", "scatter"]
 _RANKS = 1 << 20  # header aux: root * _RANKS + reduction
 
 
+@transport.explains_aux("reduce")
 def _explain_reduce(aux: int) -> str:
     return f"{explain_root(aux // _RANKS)}, {explain_reduce(aux % _RANKS)}"
 
@@ -102,9 +103,7 @@ def reduce(
         raise
 
     def body() -> torch.Tensor | None:
-        transport.check_same_call(
-            "reduce", tensor, group, aux=root * _RANKS + reduce_code(op), explain=_explain_reduce
-        )
+        transport.check_same_call("reduce", tensor, group, aux=root * _RANKS + reduce_code(op))
         out = tensor.contiguous().clone()
         wide = widen(out)
         where = _global(group, root)
@@ -157,7 +156,7 @@ def gather(
         raise
 
     def body() -> torch.Tensor | None:
-        transport.check_same_call("gather", tensor, group, aux=root, explain=explain_root)
+        transport.check_same_call("gather", tensor, group, aux=root)
         data = as_bytes(tensor.contiguous())
         parts = [torch.empty_like(data) for _ in range(size)] if me == root else None
         where = _global(group, root)
@@ -214,7 +213,7 @@ def scatter(
         raise
 
     def body() -> torch.Tensor:
-        transport.check_same_call("scatter", tensor, group, aux=root, explain=explain_root)
+        transport.check_same_call("scatter", tensor, group, aux=root)
         shape = (tensor.shape[0] // size, *tensor.shape[1:])
         data = as_bytes(tensor.contiguous())
         out = torch.empty(data.numel() // size, dtype=torch.uint8, device=data.device)

@@ -33,8 +33,16 @@ from gossamer.transport.checks import (
 from gossamer.transport.engine import run, submit
 from gossamer.transport.failures import find_lost, lost_error, wait_works
 from gossamer.transport.handle import Handle
-from gossamer.transport.header import DTYPES, HEADER_LEN, OPS, Header, codec_name, name_codec
-from gossamer.transport.liveness import get_liveness
+from gossamer.transport.header import (
+    DTYPES,
+    HEADER_LEN,
+    OPS,
+    Header,
+    codec_name,
+    explains_aux,
+    name_codec,
+)
+from gossamer.transport.liveness import get_liveness, leave
 from gossamer.transport.membership import (
     Membership,
     MembershipChange,
@@ -69,8 +77,9 @@ from gossamer.transport.staging import (
 from gossamer.transport.survivors import gather_live, known_dead, lead
 
 # Every rank's heartbeat starts at init, so a rank that dies before its first operation is
-# still seen to die.
+# still seen to die; a rank that leaves by shutdown() says so (transport.liveness).
 context.on_init(get_liveness)
+context.on_shutdown(leave)
 
 __all__ = [
     "AVERAGING_DTYPES",
@@ -95,6 +104,7 @@ __all__ = [
     "check_weight",
     "check_weights",
     "codec_name",
+    "explains_aux",
     "exchange",
     "exchange_rejected",
     "exchange_surviving",

@@ -68,6 +68,7 @@ class Engine:
         live = get_liveness()
         if live is not None:
             live.on_beat(self.fail_if_stalled)
+            live.report(self.stalled)
 
     def _serve(self) -> None:
         while True:
@@ -113,6 +114,15 @@ class Engine:
                 self._pending[future] = (op, peers)
             self._jobs.put((future, timeline.traced(op, fn)))  # "queued" until it runs
         return Handle(future, op, deadline_s)
+
+    def stalled(self) -> str:
+        """The operation running for :data:`STALL_S` or more (waiting, most likely), or ``""``."""
+        current = self._current
+        if current is None or time.monotonic() - current[1] < STALL_S:
+            return ""
+        with self._lock:
+            entry = self._pending.get(current[0])
+        return "" if entry is None else entry[0]
 
     def fail_if_stalled(self, live: Liveness) -> None:
         """If the running operation stalled on a lost rank, fail it and those queued.

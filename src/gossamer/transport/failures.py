@@ -28,9 +28,10 @@ _CONNECTION = ("closed", "reset", "Broken pipe", "Connection", "pair closure")
 def lost_error(op: str, ranks: Iterable[int]) -> RankLostError:
     """The error of an operation that cannot complete because ``ranks`` are lost."""
     ranks = sorted(ranks)
-    who = f"rank {ranks[0]} was" if len(ranks) == 1 else f"ranks {ranks} were"
+    one = len(ranks) == 1
+    who, its = (f"rank {ranks[0]} was", "its") if one else (f"ranks {ranks} were", "their")
     return RankLostError(
-        f"{op}: {who} lost (its process died or left the job, or its heartbeat stood still "
+        f"{op}: {who} lost ({its} process died or left the job, or {its} heartbeat stood still "
         f"for GOSSAMER_DEAD_AFTER={env.settings().dead_after:g} s); rank {context.rank()} "
         "cannot use the process group any more",
         ranks,
@@ -78,6 +79,9 @@ def translate(op: str, peer: int, err: BaseException, live: Liveness | None) -> 
     timed_out = "Timed out" in text or "timeout" in text.lower()
     broken = any(k in text for k in _CONNECTION)
     if live is not None and (timed_out or broken):
+        left = live.check_left(peer if peer >= 0 else None) if broken else set()
+        if left:
+            return lost_error(op, left)
         lost = _find_lost(live, broken and not timed_out, peer if peer >= 0 else None)
         if lost:
             return lost_error(op, lost)
@@ -86,7 +90,7 @@ def translate(op: str, peer: int, err: BaseException, live: Liveness | None) -> 
         waited = "all ranks" if peer < 0 else who
         return CommunicationTimeout(
             f"{op}: rank {context.rank()} timed out after {context.timeout():g} s "
-            f"waiting for {waited}"
+            f"waiting for {waited}{_whereabouts(live, op, peer)}"
         )
     if broken:
         return PeerError(
@@ -94,6 +98,28 @@ def translate(op: str, peer: int, err: BaseException, live: Liveness | None) -> 
             "did that rank crash or exit?"
         )
     return PeerError(f"{op}: communication with {who} failed: {text}")
+
+
+def _whereabouts(live: Liveness | None, op: str, peer: int) -> str:
+    """Where the other ranks (or ``peer``) were waiting at their last heartbeat, for a timeout.
+
+    A rank stuck outside gossamer (a hang in the program, a slow data loader) waits in no
+    operation, while the ranks waiting for it wait in ``op``: those are named first.
+    """
+    found = {} if live is None else live.activities()
+    if peer >= 0:
+        found = {r: doing for r, doing in found.items() if r == peer}
+    by_activity: dict[str, list[int]] = {}
+    for r, doing in sorted(found.items()):
+        by_activity.setdefault(doing, []).append(r)
+    said = "; ".join(
+        f"{f'rank {rs[0]}' if len(rs) == 1 else f'ranks {rs}'} "
+        f"{f'waiting in {doing}' if doing else 'in no gossamer operation'}"
+        for doing, rs in sorted(by_activity.items(), key=lambda a: (a[0] == op, a[0] != "", a[1]))
+    )
+    if not said:
+        return ""
+    return f" (at {'its' if peer >= 0 else 'their'} last heartbeat: {said})"
 
 
 def wait_works(op: str, works: Iterable[tuple[int, dist.Work]]) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from gossamer.errors import PeerError
 
-__all__ = ["DTYPES", "HEADER_LEN", "OPS", "Header", "codec_name", "name_codec"]
+__all__ = ["DTYPES", "HEADER_LEN", "OPS", "Header", "codec_name", "explains_aux", "name_codec"]
 
 _MAGIC = 0x605_5A3E
 _MAX_DIMS = 10  # header slots for dims; further dims are folded into one product
@@ -106,6 +106,25 @@ def name_codec(codec: int, name: str) -> int:
 def codec_name(codec: int) -> str:
     """What :func:`name_codec` named ``codec`` in this process (a peer's: its number)."""
     return _CODEC_NAMES.get(codec, f"a configuration this rank does not use (codec {codec})")
+
+
+# What an operation's aux means (``"root 2"``), for errors naming another rank's call.
+_AUX_MEANINGS: dict[str, Callable[[int], str]] = {}
+
+
+def explains_aux(*ops: str) -> Callable[[Callable[[int], str]], Callable[[int], str]]:
+    """Decorator: the function says what the aux of ``ops`` means, in every error.
+
+    Registered where the operation is defined, so a rank describes a peer's call of an
+    operation it never made itself (``"broadcast (root 0)"``, not ``"(aux 0)"``).
+    """
+
+    def register(explain: Callable[[int], str]) -> Callable[[int], str]:
+        for op in ops:
+            _AUX_MEANINGS[op] = explain
+        return explain
+
+    return register
 
 
 def _bits(value: float) -> int:
@@ -207,8 +226,10 @@ class Header:
     def describe(self, explain: Callable[[int], str] | None = None) -> str:
         """``"allreduce (op sum) of float32[3, 4]"``: ``explain(aux)`` says what aux means.
 
-        A codec is named as :func:`codec_name` says (``"... with compression='uint8'"``).
+        Without ``explain``, what :func:`explains_aux` registered for the operation. A codec
+        is named as :func:`codec_name` says (``"... with compression='uint8'"``).
         """
+        explain = explain or _AUX_MEANINGS.get(self.op)
         if explain is not None:
             extra = f" ({explain(self.aux)})"
         else:

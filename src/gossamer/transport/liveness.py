@@ -16,6 +16,12 @@ writes a tombstone (``gossamer/dead/<rank>``, :data:`gossamer.env.DEAD_KEY`) to 
 store; a rank with a tombstone is lost without waiting for its counter to go stale, so a
 death is confirmed within the agent's poll interval (0.1 s) instead of ``DEAD_AFTER_S``.
 
+A rank that leaves by ``shutdown()`` (or at the program's end) writes ``gossamer/left/<rank>``
+with the ranks it had found lost. A peer whose connection to it then breaks reads the marks
+(:meth:`Liveness.check_left`) and names at once the ranks lost: the ones the leaver had
+found lost (it may have left because of them), else the leaver itself. Its heartbeat goes
+on while it closes, so the counters alone could take ``GOSSAMER_DEAD_AFTER`` to tell.
+
 Counters, not clocks, so clock skew between machines cannot make a live rank look dead; a
 rank is judged only on changes this rank observed itself. Nothing is read while operations
 complete normally, so the cost is one small store write per rank per :data:`BEAT_S`.
@@ -32,7 +38,7 @@ import torch.distributed as dist
 
 from gossamer import context, env
 
-__all__ = ["BEAT_S", "DEAD_AFTER_S", "STALL_S", "Liveness", "get_liveness"]
+__all__ = ["BEAT_S", "DEAD_AFTER_S", "STALL_S", "Liveness", "get_liveness", "leave"]
 
 logger = logging.getLogger("gossamer")
 
@@ -40,6 +46,7 @@ BEAT_S = 0.5  # a rank writes its counter this often
 STALL_S = 0.5  # a wait this long starts reading the counters
 DEAD_AFTER_S = 3.0  # default: a counter unchanged this long (seen here) marks its rank lost
 _PREFIX = "gossamer/alive/"
+_LEFT = "gossamer/left/"  # set by a rank that leaves by shutdown(): the ranks it found lost
 
 
 class Liveness:
@@ -63,13 +70,32 @@ class Liveness:
         self._stop = threading.Event()
         self._beats = 0
         self._watchers: list[Callable[[Liveness], None]] = []
+        self._activity: Callable[[], str] = str  # the operation this rank is stuck in
         self._beat()  # the key exists before anyone reads it
         self._thread = threading.Thread(target=self._run, name="gossamer-heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
         self._beats += 1
-        self._writer.set(f"{_PREFIX}{self._rank}", str(self._beats))
+        self._writer.set(f"{_PREFIX}{self._rank}", f"{self._beats} {self._activity()}")
+
+    def report(self, activity: Callable[[], str]) -> None:
+        """Beat with ``activity()``: the operation this rank has been waiting in, or ``""``."""
+        self._activity = activity
+
+    def activities(self) -> dict[int, str]:
+        """The other live ranks' activity at their last beat (a peer's ``""``: none)."""
+        ranks = [r for r in range(self._size) if r != self._rank and r not in self.lost]
+        try:
+            with self._lock:
+                values = self._read([f"{_PREFIX}{r}" for r in ranks])
+        except Exception:  # the store's host is gone; check() says so
+            return {}
+        return {
+            r: v.decode().partition(" ")[2]
+            for r, v in zip(ranks, values, strict=True)
+            if v is not None
+        }
 
     def on_beat(self, watcher: Callable[[Liveness], None]) -> None:
         """Call ``watcher(self)`` on the heartbeat thread after every beat."""
@@ -117,6 +143,38 @@ class Liveness:
                 self.lost.add(rank)
         return set(self.lost)
 
+    def leave(self) -> None:
+        """Mark this rank left, with the ranks it had found lost (why it may be leaving)."""
+        try:
+            with self._lock:
+                self._store.set(f"{_LEFT}{self._rank}", ",".join(map(str, sorted(self.lost))))
+        except Exception:  # the store's host left first: nobody can read the mark anyway
+            logger.debug("rank %d could not mark itself left", self._rank, exc_info=True)
+
+    def check_left(self, peer: int | None = None) -> set[int]:
+        """Ranks lost, as told by the ranks (``peer``, or any) that left by ``shutdown()``.
+
+        The ranks a leaver had found lost, if any (a rank that failed on a death and then
+        left must not be blamed for it), else the leavers. Added to :attr:`lost`. Read only
+        once a connection broke: a rank that left has finished its side of every call, but
+        a transfer from it may still be arriving.
+        """
+        ranks = [r for r in range(self._size) if r != self._rank and peer in (None, r)]
+        try:
+            with self._lock:
+                keys = [f"{_LEFT}{r}" for r in ranks]
+                marks = {
+                    r: self._store.get(k)
+                    for r, k in zip(ranks, keys, strict=True)
+                    if self._store.check([k])
+                }
+        except Exception:  # the store's host is gone; check() says so
+            return set()
+        seen = {int(r) for mark in marks.values() for r in mark.decode().split(",") if r}
+        found = (seen - {self._rank}) or set(marks)
+        self.lost |= found
+        return found
+
     def _read(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
             return []
@@ -145,3 +203,10 @@ def get_liveness() -> Liveness | None:
             runtime.store, runtime.layout.rank, runtime.layout.size, runtime.store_host
         ),
     )
+
+
+def leave() -> None:
+    """At ``shutdown()``: mark this rank left (:meth:`Liveness.leave`), if it had peers."""
+    found = context.runtime().find("transport.liveness")
+    if found is not None:
+        found.leave()

@@ -157,9 +157,7 @@ class Window:
             raise
 
         def body() -> Window:
-            check_same_call(
-                "window_create", tensor, None, aux=push_sum + 2 * elastic, explain=_explain_create
-            )
+            check_same_call("window_create", tensor, None, aux=push_sum + 2 * elastic)
             wid = windows.next_id()
             service = windows.start_service()
             me = context.rank()
@@ -198,9 +196,7 @@ class Window:
         def body() -> None:
             # A rank that called something else (or freed another window) raises at once,
             # naming the calls, instead of meeting another collective's barrier.
-            transport.check_same_call(
-                "window_free", torch.empty(0), None, aux=state.wid, explain=_explain_free
-            )
+            transport.check_same_call("window_free", torch.empty(0), None, aux=state.wid)
             transport.wait_works("Window.free", [(-1, dist.barrier(async_op=True))])
             forget()
 
@@ -661,10 +657,12 @@ class Window:
         return local_locks(svc, state, chosen) if for_self else remote_locks(svc, state, chosen)
 
 
+@transport.explains_aux("window_free")
 def _explain_free(aux: int) -> str:
     return f"window id {aux}"
 
 
+@transport.explains_aux("window_create")
 def _explain_create(aux: int) -> str:
     return f"push_sum={bool(aux & 1)}, elastic={bool(aux & 2)}"
 
