@@ -124,6 +124,8 @@ def _errors(root):
     bad = {"x": object()} if r == 1 else None
     out["bad_extra"] = _outcome(lambda: checkpoint.save(f"{root}/a", model, opt, extra=bad))
     out["manifest_after_failure"] = os.path.exists(f"{root}/a/manifest.json")
+    out["other_paths"] = _outcome(lambda: checkpoint.save(f"{root}/p{r // 2}", model, opt))
+    out["other_paths_written"] = os.path.exists(f"{root}/p{r // 2}")
     checkpoint.save(f"{root}/b", model, opt)
     gossamer.barrier()
     if r == 2:
@@ -164,6 +166,17 @@ def test_a_failure_on_one_rank_raises_on_every_rank(errors):
             "CheckpointError: checkpoint save failed on rank(s) [1]; see their errors"
         )
     assert not any(o["manifest_after_failure"] for o in out)
+
+
+def test_ranks_saving_to_other_directories_are_refused_on_every_rank(errors):
+    # Rank 0's manifest would list files that ranks 2 and 3 wrote elsewhere.
+    root, out = errors
+    for r, o in enumerate(out):
+        assert o["other_paths"] == (
+            "ValueError: path must name the same directory on every rank; ranks [2, 3] gave "
+            f"another than rank 0 (this rank: {str(root / f'p{r // 2}')!r})"
+        )
+        assert not o["other_paths_written"]  # refused before anything was written
 
 
 def test_a_changed_rank_file_is_detected(errors):

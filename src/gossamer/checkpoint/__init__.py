@@ -25,6 +25,7 @@ the newest complete checkpoint on its own.
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -95,9 +96,9 @@ def save(
     or at once with the launcher's tombstone), then left out.
 
     Args:
-        path (str | os.PathLike): the checkpoint directory (created if needed). Ranks on
-            machines without a shared file system each write their own file there; the
-            manifest is on rank 0's machine.
+        path (str | os.PathLike): the checkpoint directory (created if needed), the same
+            on every rank (as an absolute path). Ranks on machines without a shared file
+            system each write their own file there; the manifest is on rank 0's machine.
         model (nn.Module | Sequence[nn.Module]): the model(s) whose ``state_dict`` is saved.
         optimizer (DecentralizedOptimizer | torch.optim.Optimizer | SkewScout | CoCoFL): the
             optimizer (``SkewScout`` and ``CoCoFL`` with their whole state: period
@@ -111,7 +112,8 @@ def save(
 
     Raises:
         TypeError: a bad ``path``, ``model``, ``optimizer`` or ``extra``.
-        ValueError: the optimizer is in the middle of a step, or ``path`` is empty.
+        ValueError: the optimizer is in the middle of a step, ``path`` is empty, or ranks
+            gave other directories than rank 0 (on every rank).
         CheckpointError: another rank failed (on the ranks that did not; the failing rank
             raises its own error). No manifest is written then.
     """
@@ -128,13 +130,15 @@ def save(
         error = err
     if survivors:
         key = survivors_begin()
-    elif size > 1:
-        ops.barrier()
+    elif size > 1:  # also the barrier
+        sums = ops.allgather(torch.tensor([_checksum(path)], dtype=torch.int64)).tolist()
     record = [0] * RECORD
     try:
         if error is not None:
             raise error
         directory = _directory(path)
+        if size > 1 and not survivors:
+            _check_same_directory(directory, sums)
         models, single = _models(model)
         _check_optimizer(optimizer, "save")
         check_plain(extra, "extra")
@@ -282,6 +286,26 @@ def _directory(path: object) -> Path:
     if not os.fspath(path):  # Path("") is the working directory
         raise ValueError("path must name a directory; got ''")
     return Path(path)
+
+
+def _checksum(path: object) -> int:
+    """A number naming ``path`` (-1 for no path), compared across ranks."""
+    if not isinstance(path, str | os.PathLike):
+        return -1
+    return zlib.crc32(os.fsencode(os.path.abspath(os.fspath(path))))
+
+
+def _check_same_directory(directory: Path, sums: list[int]) -> None:
+    """Raise on every rank when ranks name other directories than rank 0's.
+
+    A checkpoint is one directory: rank 0's manifest would list files written elsewhere.
+    """
+    other = [r for r, value in enumerate(sums) if value != sums[0]]
+    if other:
+        raise ValueError(
+            f"path must name the same directory on every rank; ranks {other} gave another "
+            f"than rank 0 (this rank: {str(directory)!r})"
+        )
 
 
 def _models(model: object) -> tuple[list[nn.Module], bool]:
