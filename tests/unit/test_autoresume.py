@@ -56,6 +56,20 @@ def test_an_incomplete_newest_checkpoint_is_skipped(tmp_path):
     assert auto.steps == 2 and auto.resumed_from == tmp_path / "step00000002"
 
 
+def test_only_whole_checkpoints_count_toward_keep(tmp_path):
+    # A save killed after its rank files (no manifest) is not one of the `keep` newest:
+    # counting it would leave one whole checkpoint where two were asked for.
+    model, opt = _job()
+    auto = AutoResume(model, opt, directory=tmp_path, every=2, keep=2)
+    _train(auto, model, opt, 4)
+    cut = tmp_path / "step00000005"
+    cut.mkdir()
+    (cut / "rank0.pt").write_bytes(b"x")
+    auto.steps = 5  # as if resumed from a checkpoint of step 5 that another job wrote
+    _train(auto, model, opt, 6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000004", "step00000006"]
+
+
 def test_pruning_deletes_the_files_of_ranks_a_larger_job_had(tmp_path):
     # A job of 4 ranks saved steps 2 and 4 (one save killed mid-write), then resumed on
     # fewer ranks: pruning must leave nothing of the old checkpoints, whoever wrote it.

@@ -159,13 +159,18 @@ class AutoResume:
     def _prune(self, newest: Path) -> None:
         """Delete this rank's files of all but the ``keep`` newest checkpoints.
 
+        Where this rank sees the manifests (``newest``'s), only whole checkpoints count
+        toward ``keep``, and what a killed save left is deleted; elsewhere (a machine
+        without a shared file system, which holds no manifest) every directory counts.
         The lowest live rank also deletes the manifest first (from then on the directory
         is no checkpoint at all) and every file no live rank owns: those of dead ranks, of
         ranks a larger job had before it resumed on fewer, and the temporary files (of
         rank files or of the manifest) a killed save left.
         """
         assert self.directory is not None
-        old = sorted(_checkpoints(self.directory, complete=False))[: -self.keep]
+        whole = (newest / MANIFEST).is_file()
+        kept = sorted(_checkpoints(self.directory, complete=whole))[-self.keep :]
+        old = [s for s in _checkpoints(self.directory, complete=False) if s not in kept]
         rank, _, live = _live()
         lowest = rank == live[0]
         for step in old:
