@@ -193,7 +193,7 @@ HANGER = textwrap.dedent(r"""
 
 
 def test_a_timeout_tells_which_rank_hung_outside_gossamer(tmp_path):
-    procs, outputs = _launch(tmp_path, HANGER, 3, [], {"GOSSAMER_TIMEOUT": "4"})
+    _, outputs = _launch(tmp_path, HANGER, 3, [], {"GOSSAMER_TIMEOUT": "4"})
     for r, other in ((0, 2), (2, 0)):
         kind, message = _report(outputs[r])
         assert kind == "CommunicationTimeout", message
