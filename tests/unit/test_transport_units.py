@@ -77,6 +77,8 @@ def test_ranks_that_left_name_the_ranks_they_had_found_lost_else_themselves(aliv
     store.set("gossamer/left/3", "0,1")  # rank 3 had found ranks 0 (this one) and 1 lost
     assert alive.check_left(peer=3) == {1}  # never this rank itself
     assert alive.lost == {1, 2}
+    # Now rank 3 brings no news (a survivor that finished after a death): it is the cause.
+    assert alive.check_left(peer=3) == {3} and alive.lost == {1, 2, 3}
 
 
 def test_a_timeout_says_where_the_other_ranks_were_waiting(world_of_one, alive):

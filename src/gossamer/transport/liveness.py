@@ -154,8 +154,9 @@ class Liveness:
     def check_left(self, peer: int | None = None) -> set[int]:
         """Ranks lost, as told by the ranks (``peer``, or any) that left by ``shutdown()``.
 
-        The ranks a leaver had found lost, if any (a rank that failed on a death and then
-        left must not be blamed for it), else the leavers. Added to :attr:`lost`. Read only
+        The ranks a leaver had found lost that this rank had not (a rank that failed on a
+        death and then left must not be blamed for it), else the leavers. Added to
+        :attr:`lost`. Read only
         once a connection broke: a rank that left has finished its side of every call, but
         a transfer from it may still be arriving.
         """
@@ -171,7 +172,7 @@ class Liveness:
         except Exception:  # the store's host is gone; check() says so
             return set()
         seen = {int(r) for mark in marks.values() for r in mark.decode().split(",") if r}
-        found = (seen - {self._rank}) or set(marks)
+        found = (seen - {self._rank} - self.lost) or set(marks)
         self.lost |= found
         return found
 
