@@ -1,5 +1,6 @@
 """Single-process checks of the transport's pieces: payload bytes, headers, liveness, errors."""
 
+import concurrent.futures
 import time
 
 import pytest
@@ -95,9 +96,25 @@ def test_a_timeout_says_where_the_other_ranks_were_waiting(world_of_one, alive):
     assert str(translate("neighbor_allreduce", 2, timeout, alive)).endswith(
         "waiting for rank 2 (at its last heartbeat: rank 2 waiting in allreduce)"
     )
-    alive.report(lambda: "broadcast")
+    alive.report(lambda: "")  # the communication thread, idle
+    alive.report(lambda: "window.put")  # the window client, stuck
     alive._beat()
-    assert store.get("gossamer/alive/0").endswith(b" broadcast")
+    assert store.get("gossamer/alive/0").endswith(b" window.put")
+
+
+def test_a_window_operation_in_flight_for_a_while_is_reported(world_of_one):
+    from gossamer.windows.registry import Registry
+
+    windows = Registry()
+    assert windows.stalled() == ""
+    done = concurrent.futures.Future()
+    windows.watch("window.get", done)
+    assert windows.stalled() == ""  # just started
+    what, _, peers = windows._inflight[done]
+    windows._inflight[done] = (what, time.monotonic() - 1.0, peers)
+    assert windows.stalled() == "window.get"
+    done.set_result(None)
+    assert windows.stalled() == ""
 
 
 def test_an_unreachable_store_means_its_host_is_lost():

@@ -70,18 +70,23 @@ class Liveness:
         self._stop = threading.Event()
         self._beats = 0
         self._watchers: list[Callable[[Liveness], None]] = []
-        self._activity: Callable[[], str] = str  # the operation this rank is stuck in
+        self._activities: list[Callable[[], str]] = []  # the operation this rank is stuck in
         self._beat()  # the key exists before anyone reads it
         self._thread = threading.Thread(target=self._run, name="gossamer-heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
         self._beats += 1
-        self._writer.set(f"{_PREFIX}{self._rank}", f"{self._beats} {self._activity()}")
+        doing = next((a for a in (activity() for activity in self._activities) if a), "")
+        self._writer.set(f"{_PREFIX}{self._rank}", f"{self._beats} {doing}")
 
     def report(self, activity: Callable[[], str]) -> None:
-        """Beat with ``activity()``: the operation this rank has been waiting in, or ``""``."""
-        self._activity = activity
+        """Beat with ``activity()``: the operation this rank has been waiting in, or ``""``.
+
+        Several may report (the communication thread, the window client); the first that
+        names an operation is written.
+        """
+        self._activities.append(activity)
 
     def activities(self) -> dict[int, str]:
         """The other live ranks' activity at their last beat (a peer's ``""``: none)."""

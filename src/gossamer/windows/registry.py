@@ -45,6 +45,7 @@ class Registry:
         live = get_liveness() if context.size() > 1 else None
         if live is not None:
             live.on_beat(self._fail_if_lost)
+            live.report(self.stalled)
 
     def watch(
         self, what: str, done: concurrent.futures.Future, peers: set[int] | None = None
@@ -64,6 +65,13 @@ class Registry:
                 self._inflight.pop(future, None)
 
         done.add_done_callback(forget)
+
+    def stalled(self) -> str:
+        """The window operation in flight for :data:`STALL_S` or more, or ``""``."""
+        now = time.monotonic()
+        with self._inflight_lock:
+            waits = [(t, w) for w, t, _ in self._inflight.values() if now - t >= STALL_S]
+        return min(waits)[1] if waits else ""
 
     def _fail_if_lost(self, live: Liveness) -> None:
         now = time.monotonic()
