@@ -149,6 +149,27 @@ def test_fully_connected_and_fractal_inter_clique_edge_counts():
     assert len(inter_clique_edges(ring)) < len(inter_clique_edges(small))
 
 
+@pytest.mark.parametrize("inter", INTERS)
+def test_two_cliques_are_joined_by_one_edge_at_most(inter):
+    result = d_cliques(shard_histograms(64), 2, inter, seed=1)  # 32 cliques
+    pairs = inter_clique_edges(result)
+    assert len(pairs) == len(set(pairs))
+
+
+def test_small_world_links_the_pairs_at_its_ring_distances():
+    # 32 cliques on a ring, each linked at distances 2^s + e (s < 5, e in {0, 1}), both
+    # ways: ring distances {1, 2, 3, 4, 5, 8, 9, 15, 16} (17 is 15 the other way round).
+    distances = {min(d % 32, -d % 32) for s in range(5) for d in (2**s, 2**s + 1)}
+    expected = {
+        (a, b)
+        for a, b in itertools.combinations(range(32), 2)
+        if b - a in distances or 32 - (b - a) in distances
+    }
+    result = d_cliques(shard_histograms(64), 2, "small_world", seed=1)
+    assert len(inter_clique_edges(result)) == len(expected) == 32 * 8 + 16
+    assert is_connected(result.topology.weights)
+
+
 def test_d_cliques_edge_cases_and_determinism():
     histograms = shard_histograms(20)
     first = d_cliques(histograms, 10, "small_world", seed=4)

@@ -113,13 +113,18 @@ def _inter_edges(
                 link(cliques[k], cliques[m])
     elif inter == "small_world":
         offsets = [2**s for s in range(math.ceil(math.log2(count)))] if count > 1 else []
-        for start in range(count):
-            for offset in offsets:
-                for extra in (0, 1):
-                    for direction in (-1, 1):
-                        target = (start + direction * (offset + extra)) % count
-                        if target != start:
-                            link(cliques[start], cliques[target])
+        # One edge per pair of cliques: k + d and (k + d) - d name the same pair, and the
+        # offsets wrap around the ring.
+        pairs = {
+            (min(start, target), max(start, target))
+            for start in range(count)
+            for offset in offsets
+            for extra in (0, 1)
+            for direction in (-1, 1)
+            if (target := (start + direction * (offset + extra)) % count) != start
+        }
+        for k, m in sorted(pairs):
+            link(cliques[k], cliques[m])
     else:  # fractal: groups of `group` cliques are fully interlinked, then merged, repeat
         level = list(cliques)
         while len(level) > 1:
@@ -166,7 +171,8 @@ def d_cliques(
     * ``"fractal"``: groups of ``clique_size`` cliques get one edge between every pair;
       each group then counts as one clique and the step repeats until one remains.
     * ``"small_world"``: clique ``k`` linked to cliques ``k +- (2**s + e)`` for
-      ``s < ceil(log2(#cliques))`` and ``e in {0, 1}``: dense nearby, sparse far away.
+      ``s < ceil(log2(#cliques))`` and ``e in {0, 1}``, one edge per pair of cliques:
+      dense nearby, sparse far away.
     * ``"fully_connected"``: one edge between every pair of cliques.
 
     **Weights**: Metropolis-Hastings on the undirected graph,
