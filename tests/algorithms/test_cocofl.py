@@ -220,6 +220,16 @@ def _misuse():
         CoCoFL(torch.optim.SGD(double.parameters(), lr=LR), double, frozen=["0"], constrained=True)
     except ValueError as err:
         errors.append(f"{type(err).__name__}: {err}")
+    masked = CoCoFL(sgd(), model, masked=True)  # a state of another masking is refused
+    saved = masked.state_dict()
+    masked.close()
+    unmasked = CoCoFL(sgd(), model, masked=False)
+    for state in (saved, {"optimizer": saved["optimizer"], "cocofl": {"steps": 1}}):
+        try:
+            unmasked.load_state_dict(state)
+        except ValueError as err:
+            errors.append(f"{type(err).__name__}: {err}")
+    unmasked.close()
     return errors
 
 
@@ -244,3 +254,9 @@ def test_cocofl_argument_errors():
         "quantization, which runs a frozen layer, takes float32 layers on the CPU only"
     )
     assert errors[13].startswith("ValueError: frozen layer '0' is torch.float64 on cpu;")
+    assert errors[14] == (
+        "ValueError: state was saved with masked=True; this optimizer has masked=False"
+    )
+    assert errors[15].startswith(
+        "ValueError: state['cocofl'] must hold steps, rounds and frozen (CoCoFL.state_dict())"
+    )

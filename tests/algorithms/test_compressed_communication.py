@@ -624,7 +624,10 @@ def _different_settings(kind, specs):
         (
             "window",
             ["uint8", None],
-            ["compression='uint8', gamma=0.8", "window_create of float32[1]"],
+            [
+                "compression='uint8', gamma=0.8",
+                "window_create (push_sum=False, elastic=False) of float32[1]",
+            ],
         ),
     ],
 )

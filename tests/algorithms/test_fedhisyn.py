@@ -42,6 +42,11 @@ def test_group_by_speed(times, k, want):
         (lambda: group_by_speed([1.0, 2.0], 3), ValueError, r"num_groups must be in \[1, 2\]"),
         (lambda: group_by_speed([1.0, 2.0], 1.0), TypeError, "num_groups must be an int"),
         (lambda: grouped_ring([(0, 1), (1, 2)], 3), ValueError, "must partition the ranks"),
+        (lambda: group_by_speed(["a", "b"], 1), TypeError, "step_times must be a sequence of"),
+        (lambda: grouped_ring([(0, 1, 2), ()], 3), ValueError, "must partition the ranks"),
+        (lambda: grouped_ring([], -1), ValueError, "size must be >= 1; got -1"),
+        (lambda: grouped_ring(3, 3), TypeError, "groups must be a sequence of sequences"),
+        (lambda: grouped_ring([(0,)], 1.0), TypeError, "size must be an int; got 1.0"),
     ],
 )
 def test_grouping_argument_errors(call, error, match):

@@ -105,6 +105,17 @@ def test_update_rejects_a_non_number():
 
     with pytest.raises(TypeError, match="loss must be a number; got nan"):
         PeriodController().update(float("nan"))
+    with pytest.raises(TypeError, match=r"loss must be a number; got tensor\(\[0\.1000\]\)"):
+        PeriodController().update(torch.tensor([0.1]))
+
+
+def test_update_takes_numpy_and_tensor_numbers_and_states_are_checked():
+    rule = PeriodController(threshold=0.1, max_period=8)
+    rule.update(np.float32(0.0))  # a loss from numpy or torch, as a user measures it
+    rule.update(torch.tensor(0.0))
+    assert rule.period == 4 and rule.history == [(0.0, 2), (0.0, 4)]
+    with pytest.raises(ValueError, match="state must be a dict from PeriodController"):
+        PeriodController().load_state_dict({})
 
 
 # --- distributed --------------------------------------------------------------------------

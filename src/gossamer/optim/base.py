@@ -22,6 +22,7 @@ from gossamer import context
 from gossamer.communicators import COMMUNICATIONS, Communicator, Pending, make
 from gossamer.compression import Compressor
 from gossamer.fusion import Bucket, bucketize
+from gossamer.optim.agreement import agreed
 from gossamer.topology import Step, Topology
 
 __all__ = ["COMMUNICATIONS", "Communicator", "DecentralizedOptimizer", "evaluate"]
@@ -193,6 +194,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         super().__init_subclass__(**kwargs)
         if "step" in cls.__dict__:
             cls.step = _checked(cls.__dict__["step"])
+        if "__init__" in cls.__dict__:
+            cls.__init__ = agreed(close=True)(cls.__dict__["__init__"])
+
+    def settings(self) -> dict[str, object]:
+        """The settings every rank must build this optimizer with (checked when built).
+
+        Subclasses add theirs. Compression is checked at the first round instead, where
+        its error names the codecs.
+        """
+        return {"num_steps_per_communication": self.num_steps_per_communication}
 
     # -------------------------------------------------------------- torch.optim look-alike
     @property
@@ -482,3 +493,7 @@ class NoSync:
             yield
         finally:
             self._no_sync = previous
+
+
+# Subclasses that define no __init__ of their own are built by this one.
+DecentralizedOptimizer.__init__ = agreed(close=True)(DecentralizedOptimizer.__init__)  # type: ignore[method-assign]

@@ -148,6 +148,10 @@ class CliqueAveraging(AdaptThenCombine):
         me = context.rank()
         self.clique = next(c for c in self.cliques if me in c)
 
+    def settings(self) -> dict[str, object]:
+        """The settings every rank must build this optimizer with (checked when built)."""
+        return {**super().settings(), "cliques": self.cliques}
+
     def average_gradients(self) -> None:
         """Replace every gradient by its average over this rank's clique (collective)."""
         peers = [r for r in self.clique if r != context.rank()]

@@ -54,6 +54,7 @@ from torch.ao.nn.quantized import dynamic as qdynamic
 from torch.ao.quantization import default_dynamic_qconfig
 
 from gossamer import context, ops
+from gossamer.optim.agreement import agreed
 from gossamer.optim.base import check_torch_optimizer
 from gossamer.topology import Topology
 
@@ -106,6 +107,7 @@ class CoCoFL:
         >>> opt.step()   # trains the rest; averages every num_steps_per_communication steps
     """
 
+    @agreed()
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -186,9 +188,21 @@ class CoCoFL:
             p.requires_grad_(False)
             p.grad = None
         self._refresh()
-        self._weights = self._denominators()
+        # Made at the first round, a collective: after the build's settings check.
+        self._weights: torch.Tensor | None = None
 
     # ------------------------------------------------------------ frozen layers
+    def settings(self) -> dict[str, object]:
+        """The settings every rank must build this optimizer with (checked when built).
+
+        Not ``frozen`` and ``constrained``: ranks differ in what they can train.
+        """
+        return {
+            "topology": self.topology,
+            "num_steps_per_communication": self.num_steps_per_communication,
+            "masked": self.masked,
+        }
+
     def _refresh(self) -> None:
         """Re-quantize every frozen layer from its float weights and route forward to it."""
         for name, layer in self._layers.items():
@@ -237,6 +251,8 @@ class CoCoFL:
                 mixed = self._mix(flat * mask)
                 sizes = [p.numel() for p in self.params]
                 counts = torch.tensor(sizes, device=flat.device)
+                if self._weights is None:
+                    self._weights = self._denominators()
                 weight = torch.repeat_interleave(self._weights.to(flat), counts)
                 trained = weight > 0
                 flat[trained] = mixed[trained] / weight[trained]
@@ -283,11 +299,22 @@ class CoCoFL:
         """Restore :meth:`state_dict`'s output; the model's weights are loaded separately.
 
         Raises:
-            ValueError: ``state`` is not from :meth:`state_dict`, or froze other layers.
+            ValueError: ``state`` is not from :meth:`state_dict`, or froze other layers, or
+                was saved with another ``masked``.
         """
         if not isinstance(state, dict) or {"optimizer", "cocofl"} - set(state):
             raise ValueError("state must be a dict from CoCoFL.state_dict()")
         ours = state["cocofl"]
+        if not isinstance(ours, dict) or {"steps", "rounds", "frozen"} - set(ours):
+            raise ValueError(
+                f"state['cocofl'] must hold steps, rounds and frozen (CoCoFL.state_dict()); "
+                f"got {ours!r}"
+            )
+        if ours.get("masked", self.masked) != self.masked:
+            raise ValueError(
+                f"state was saved with masked={ours['masked']}; this optimizer has "
+                f"masked={self.masked}"
+            )
         if list(ours["frozen"]) != list(self.frozen):
             raise ValueError(
                 f"state froze layers {ours['frozen']}; this optimizer freezes {list(self.frozen)}"

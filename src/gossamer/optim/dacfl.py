@@ -122,6 +122,10 @@ class DACFL(DecentralizedOptimizer):
         # x_i(r) - e_i(r): theta_i(r) itself when correction == 1 (the paper's reference)
         self.trained: list[torch.Tensor] = [x.clone() for x in self.tracker]
 
+    def settings(self) -> dict[str, object]:
+        """The settings every rank must build this optimizer with (checked when built)."""
+        return {**super().settings(), "correction": self.correction}
+
     def step(self, closure=None):
         r"""A local step; at a round's end, the FODAC update and :math:`x_i` into the model."""
         if not self._is_round():

@@ -59,7 +59,10 @@ def group_by_speed(step_times: Sequence[float], num_groups: int) -> tuple[tuple[
         >>> group_by_speed([1.0, 2.1, 0.9, 2.0], 2)
         ((0, 2), (1, 3))
     """
-    times = np.asarray(step_times, dtype=np.float64)
+    try:
+        times = np.asarray(step_times, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"step_times must be a sequence of numbers; got {step_times!r}") from None
     if times.ndim != 1 or times.size == 0:
         raise ValueError(f"step_times must be a non-empty sequence; got {step_times!r}")
     if not np.all(np.isfinite(times)) or np.any(times <= 0):
@@ -79,10 +82,17 @@ def grouped_ring(groups: Sequence[Sequence[int]], size: int) -> Topology:
     """A bidirectional ring inside each group, no edge between groups (block diagonal).
 
     Raises:
-        ValueError: the groups do not partition ``0 .. size-1``.
+        TypeError: ``groups`` is not a sequence of sequences of ranks, or ``size`` not an int.
+        ValueError: the groups do not partition ``0 .. size-1`` (or one is empty).
     """
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"size must be an int; got {size!r}")
+    if size < 1:
+        raise ValueError(f"size must be >= 1; got {size}")
+    if not isinstance(groups, Sequence) or not all(isinstance(g, Sequence) for g in groups):
+        raise TypeError(f"groups must be a sequence of sequences of ranks; got {groups!r}")
     flat = sorted(r for g in groups for r in g)
-    if flat != list(range(size)):
+    if flat != list(range(size)) or not all(groups):
         raise ValueError(f"groups must partition the ranks 0..{size - 1}; got {groups!r}")
     weights = np.zeros((size, size))
     for group in groups:
@@ -168,6 +178,19 @@ class FedHiSyn(AdaptThenCombine):
         self._stamps: list[float] = []
         if step_time is not None:
             self._group(float(step_time))
+
+    def settings(self) -> dict[str, object]:
+        """The settings every rank must build this optimizer with (checked when built).
+
+        Not ``step_time``: ranks differ in speed, which is what FedHiSyn groups by.
+        """
+        return {
+            **super().settings(),
+            "num_groups": self.num_groups,
+            "interval": self.interval,
+            "calibration_steps": self.calibration_steps,
+            "scale_steps": self.scale_steps,
+        }
 
     @property
     def calibrating(self) -> bool:

@@ -132,7 +132,7 @@ class NGC(DecentralizedOptimizer):
         adjacency = graph.adjacency
         if not (adjacency == adjacency.T).all():
             raise ValueError(
-                f"topology {graph.name or ''} is directed: NGC sends cross-gradients back "
+                f"topology {graph.name or 'given'} is directed: NGC sends cross-gradients back "
                 "along every edge, so it needs an undirected graph"
             )
         self.topology = graph
@@ -150,6 +150,10 @@ class NGC(DecentralizedOptimizer):
         self.bytes_sent = {"models": 0, "cross_gradients": 0}
 
     # ------------------------------------------------------------------ the step
+    def settings(self) -> dict[str, object]:
+        """The settings every rank must build this optimizer with (checked when built)."""
+        return {**super().settings(), "topology": self.topology, "alpha": self.alpha}
+
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """One NGC step; ``closure()`` returns the local batch's loss at the current model.
 

@@ -78,18 +78,29 @@ FedAvg's local steps, DGC's sparsity); here the knob is the period of any
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from gossamer import context, ops
+from gossamer.optim.agreement import agreed
 from gossamer.optim.base import DecentralizedOptimizer
 from gossamer.optim.gradient_allreduce import GradientAllreduce
 
 __all__ = ["PeriodController", "SkewScout"]
 
 _REDUCTIONS = ("mean", "max")
+
+
+def _real(value: object, name: str, alternative: str = "") -> float:
+    """``value`` as a float: a Python, NumPy or 0-d tensor number that is not NaN."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise TypeError(f"{name} must be a number{alternative}; got {value!r}")
+    return float(value)
 
 
 def _check_int(value: object, name: str, minimum: int) -> int:
@@ -205,12 +216,9 @@ class PeriodController:
         Returns:
             int: the new period.
         """
-        if isinstance(loss, bool) or not isinstance(loss, int | float) or math.isnan(loss):
-            raise TypeError(f"loss must be a number; got {loss!r}")
-        if drift is not None and (
-            isinstance(drift, bool) or not isinstance(drift, int | float) or math.isnan(drift)
-        ):
-            raise TypeError(f"drift must be a number or None; got {drift!r}")
+        loss = _real(loss, "loss")
+        if drift is not None:
+            drift = _real(drift, "drift", " or None")
         level = self._level(loss, self.threshold, self.hysteresis)
         if self.drift_threshold is not None and drift is not None:
             # Either signal above its threshold shrinks; both below their bands grow.
@@ -233,6 +241,10 @@ class PeriodController:
         Raises:
             ValueError: the saved period lies outside ``[min_period, max_period]``.
         """
+        if not isinstance(state, dict) or "period" not in state:
+            raise ValueError(
+                f"state must be a dict from PeriodController.state_dict(); got {state!r}"
+            )
         period = int(state["period"])
         if not self.min_period <= period <= self.max_period:
             raise ValueError(
@@ -303,6 +315,7 @@ class SkewScout:
         >>> opt.step()     # a local step; averaging only every opt.period steps
     """
 
+    @agreed()
     def __init__(
         self,
         optimizer: DecentralizedOptimizer,
@@ -355,6 +368,19 @@ class SkewScout:
         self._delta = torch.zeros_like(self._anchor)
         self._round_ended = False
         optimizer.num_steps_per_communication = controller.period
+
+    def settings(self) -> dict[str, object]:
+        """The settings every rank must build this optimizer with (checked when built).
+
+        Ranks probe and change their period together, so their rules must be the same.
+        """
+        rule = ("period", "threshold", "drift_threshold", "min_period", "max_period")
+        return {
+            "probe_every": self.probe_every,
+            "reduce": self.reduce,
+            "sketch_size": self.sketch_size,
+            **{name: getattr(self.controller, name) for name in (*rule, "factor", "hysteresis")},
+        }
 
     # ------------------------------------------------------------ torch.optim look-alike
     @property
@@ -529,6 +555,11 @@ class SkewScout:
         if not isinstance(state, dict) or {"optimizer", "skewscout"} - set(state):
             raise ValueError("state must be a dict from SkewScout.state_dict()")
         ours = state["skewscout"]
+        if not isinstance(ours, dict) or {"probes", "controller"} - set(ours):
+            raise ValueError(
+                "state['skewscout'] must hold probes and controller (SkewScout.state_dict()); "
+                f"got {ours!r}"
+            )
         self.inner.load_state_dict(state["optimizer"])
         self.controller.load_state_dict(ours["controller"])
         self.probes = int(ours["probes"])
