@@ -520,7 +520,7 @@ class _DeprecatedAdaptWithCombine(DistributedAdaptWithCombineOptimizer):
             f"(optimizer, model, communication_type=CommunicationType.{self._kind.name}) "
             "instead.",
             PendingDeprecationWarning,
-            stacklevel=2,
+            stacklevel=3,  # past the build's settings check (optim.agreement.agreed)
         )
         super().__init__(optimizer, model, self._kind, num_steps_per_communication)
 
