@@ -501,7 +501,10 @@ def runtime() -> Runtime:
 
 def _require() -> Runtime:
     if _state is None:
-        raise NotInitializedError("gossamer is not initialized; call gossamer.init() first")
+        raise NotInitializedError(
+            "gossamer is not initialized; call gossamer.init() first (under the facades: "
+            "bluefog's bf.init(), Bagua's bagua.init_process_group())"
+        )
     return _state
 
 

@@ -1,6 +1,7 @@
 """The facade's names and signatures are Bagua's (BaguaSys/bagua at 3e480d29)."""
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -268,6 +269,14 @@ def test_bad_arguments_name_the_argument():
         async_model_average.AsyncModelAverageAlgorithm(sync_interval_ms=-1)
     with pytest.raises(ValueError, match="warmup_steps"):
         q_adam.QAdamOptimizer(torch.nn.Linear(1, 1).parameters(), warmup_steps=0)
+    for kwargs, error, words in (
+        ({"warmup_steps": 2.5}, TypeError, "warmup_steps must be an int; got 2.5"),
+        ({"lr": "x"}, TypeError, "lr must be a number; got 'x'"),
+        ({"betas": 0.9}, TypeError, "betas must be a pair of numbers; got 0.9"),
+        ({"weight_decay": -1}, ValueError, "Invalid weight_decay value: -1"),
+    ):
+        with pytest.raises(error, match=re.escape(words)):
+            q_adam.QAdamOptimizer(torch.nn.Linear(1, 1).parameters(), **kwargs)
     with pytest.raises(TypeError, match="QAdamOptimizer"):
         q_adam.QAdamAlgorithm(torch.optim.Adam(torch.nn.Linear(1, 1).parameters()))
     with pytest.raises(ValueError, match="setter_closure"):

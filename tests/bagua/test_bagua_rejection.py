@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import gossamer.bagua as bagua
-from gossamer.bagua.algorithms import gradient_allreduce
+from gossamer.bagua.algorithms import bytegrad, decentralized, gradient_allreduce
 from gossamer.bagua.data_parallel.distributed import DistributedDataParallel_V1_9_0
-from gossamer.errors import PeerArgumentError
+from gossamer.errors import PeerArgumentError, PeerError
 from gossamer.testing import run_distributed
 
 # Only a guard against a hang (the pool's deadline is 60 s).
@@ -38,6 +38,14 @@ def _call(name, r, n):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         algorithm = "decentralized" if is_bad else gradient_allreduce.GradientAllReduceAlgorithm()
         return lambda: model.with_bagua([opt], algorithm)
+    if name in ("with_bagua do_flatten", "with_bagua no trainable parameter"):
+        model = nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if is_bad and name == "with_bagua no trainable parameter":
+            model.requires_grad_(False)
+        flatten = "no" if is_bad and name == "with_bagua do_flatten" else True
+        algorithm = gradient_allreduce.GradientAllReduceAlgorithm()
+        return lambda: model.with_bagua([opt], algorithm, do_flatten=flatten)
     if name.startswith("DistributedDataParallel"):
         return _ddp_call(name, is_bad)
     if name == "allreduce recv":
@@ -104,6 +112,8 @@ def _ddp_call(name, is_bad):
 CASES = [
     "with_bagua optimizers",
     "with_bagua algorithm",
+    "with_bagua do_flatten",
+    "with_bagua no trainable parameter",
     "DistributedDataParallel no trainable parameter",
     "DistributedDataParallel device_ids",
     "DistributedDataParallel device types",
@@ -167,13 +177,50 @@ def test_a_bad_facade_argument_on_one_rank_raises_on_every_rank(world_size):
         "list of torch.optim.Optimizer (not gossamer ones, which communicate themselves); "
         "got ['sgd']"
     )
-    assert got[0][4][1][1] == (
+    assert got[BAD][2][1][1] == "TypeError: do_flatten must be a bool; got 'no'"
+    assert got[BAD][3][1][1] == (
+        "ValueError: with_bagua: the module has no parameter that requires a gradient"
+    )
+    assert got[0][6][1][1] == (
         "DistributedDataParallel: barrier: rank 1 rejected its arguments: ValueError: "
         "the module's parameters must be on one type of device; got ['cpu', 'meta']"
     )
-    assert got[BAD][5][1][1] == (
+    assert got[BAD][7][1][1] == (
         f"ValueError: allreduce: recv_tensor must have {2 * world_size} elements; got 3"
     )
     for k in range(len(CASES) - 3, len(CASES)):  # Bagua's src / dst, not gossamer's root
         assert "must be a rank of the communicator (0.." in got[BAD][k][1][1]
         assert CASES[k].split()[1] + " must be" in got[BAD][k][1][1]
+
+
+def _other_algorithm(case):
+    bagua.init_process_group()
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = bagua.get_rank() == 0
+    if case == "class":
+        algorithm = (
+            gradient_allreduce.GradientAllReduceAlgorithm()
+            if first
+            else decentralized.DecentralizedAlgorithm()
+        )
+    else:
+        algorithm = bytegrad.ByteGradAlgorithm(hierarchical=first)
+    try:
+        model.with_bagua([opt], algorithm)
+    except PeerError as err:
+        return str(err)
+    return "wrapped"
+
+
+@pytest.mark.parametrize("case", ["class", "hierarchical"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_wrapping_with_other_algorithms_raise_on_every_rank(case, world_size):
+    # Both ran on before: gradient allreduce averaged its gradients with the other rank's
+    # weights (the same allreduce sizes), and the hierarchical mismatch hung for the deadline.
+    others = list(range(1, world_size))
+    for message in run_distributed(_other_algorithm, world_size, args=(case,)):
+        assert message.startswith(
+            f"with_bagua: ranks {others} of the group wrap with another algorithm or other "
+            "settings than its rank 0 (this rank: "
+        ), message

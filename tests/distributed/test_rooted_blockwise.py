@@ -4,6 +4,8 @@ Each result is compared with the definition computed in one process from every r
 input (``oracle.data``); mismatched calls raise on every rank.
 """
 
+import logging
+
 import pytest
 import torch
 
@@ -182,3 +184,25 @@ def _bad_arguments():
 
 def test_bad_arguments_raise_naming_them():
     assert all(run_distributed(_bad_arguments, 2))
+
+
+def _to_self():
+    logged = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("gossamer").addHandler(handler)
+    try:
+        for call in (gossamer.send, gossamer.recv):
+            peer = {"dst" if call is gossamer.send else "src": gossamer.rank()}
+            with pytest.raises(ValueError, match="must be another rank"):
+                call(torch.zeros(2), **peer)
+        gossamer.barrier()  # after the parts the rejections queued, if any
+    finally:
+        logging.getLogger("gossamer").removeHandler(handler)
+    return logged
+
+
+def test_a_send_to_this_rank_tells_no_peer():
+    # It used to tell "the peer" (itself) through a connection gloo does not have, logging
+    # a raw gloo traceback after the ValueError.
+    assert run_distributed(_to_self, 2) == [[], []]

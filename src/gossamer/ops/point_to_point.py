@@ -47,11 +47,15 @@ def _reject(error: Exception, tensor: object, dsts: list[int], srcs: list[int], 
 
 
 def _valid_peer(peer: object, group) -> list[int]:
-    """``[peer]`` when ``peer`` is a usable rank, so a rejecting rank can still take part."""
+    """``[peer]`` when ``peer`` is a usable rank, so a rejecting rank can still take part.
+
+    Not this rank itself: there is no connection to tell it through.
+    """
     try:
-        return [check_rank(peer, "peer", group_size(group))]
+        rank = check_rank(peer, "peer", group_size(group))
     except (TypeError, ValueError):
         return []
+    return [] if rank == group_rank(group) else [rank]
 
 
 @staged

@@ -80,14 +80,23 @@ class QAdamOptimizer(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
     ) -> None:
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"{name} must be a number; got {value!r}")
         if not lr >= 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not eps >= 0.0:
             raise ValueError(f"Invalid epsilon value: {eps}")
+        if not weight_decay >= 0.0:  # as torch's Adam
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not isinstance(betas, tuple | list) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair of numbers; got {betas!r}")
         for i, beta in enumerate(betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
+            raise TypeError(f"warmup_steps must be an int; got {warmup_steps!r}")
+        if warmup_steps <= 0:
             raise ValueError(
                 f"Invalid warmup_steps parameter, must be larger than 0: {warmup_steps}"
             )

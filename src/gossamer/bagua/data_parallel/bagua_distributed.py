@@ -12,6 +12,7 @@ collectives in the same order.
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from gossamer.bagua._groups import BaguaProcessGroup, resolve
 from gossamer.bagua._state import state
 from gossamer.bagua.bucket import BaguaBucket
 from gossamer.bagua.communication import broadcast, broadcast_object
-from gossamer.errors import PeerArgumentError
+from gossamer.errors import PeerArgumentError, PeerError
 from gossamer.optim import DecentralizedOptimizer
 
 __all__ = ["BaguaDistributedDataParallel"]
@@ -119,6 +120,31 @@ def _agree(process_group: object, checks: Callable[[], None], caller: str = "wit
         raise PeerArgumentError(f"{caller}: {err}", err.ranks) from err
 
 
+def _same_algorithm(algorithm: Any, process_group: BaguaProcessGroup, caller: str) -> None:
+    """Raise on every rank of the group when ranks wrap with other algorithms or settings.
+
+    The settings are a built-in algorithm's plain attributes (numbers, strings, flags):
+    ranks that differ there would run other collectives, or the same ones on other tensors.
+    Of an algorithm of the user's own, only the class is compared (its attributes may be
+    per rank).
+    """
+    comm = resolve(process_group.get_global_communicator())
+    if comm is None:
+        return
+    plain = (bool, int, float, str, type(None))
+    ours = type(algorithm).__module__.startswith("gossamer.bagua.algorithms")
+    fields = sorted((k, v) for k, v in vars(algorithm).items() if ours and isinstance(v, plain))
+    text = f"{type(algorithm).__name__}({', '.join(f'{k}={v!r}' for k, v in fields)})"
+    mine = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64)
+    sums = ops.allgather(mine, group=comm.group).tolist()
+    other = [r for r, value in enumerate(sums) if value != sums[0]]
+    if other:
+        raise PeerError(
+            f"{caller}: ranks {other} of the group wrap with another algorithm or other "
+            f"settings than its rank 0 (this rank: {text})"
+        )
+
+
 class BaguaDistributedDataParallel:
     """Bagua's engine for one module, one algorithm and its optimizers.
 
@@ -161,11 +187,17 @@ class BaguaDistributedDataParallel:
                     f"algorithm must be a gossamer.bagua.algorithms.Algorithm; got {algorithm!r}"
                 )
             _check_optimizers(optimizers)
+            if not isinstance(gradient_as_bucket_view, bool):
+                name = "do_flatten" if caller == "with_bagua" else "gradient_as_bucket_view"
+                raise TypeError(f"{name} must be a bool; got {gradient_as_bucket_view!r}")
+            if caller == "with_bagua" and not any(p.requires_grad for p in module.parameters()):
+                raise ValueError(f"{caller}: the module has no parameter that requires a gradient")
             if extra_checks is not None:
                 extra_checks()
 
         # Every rank's arguments are checked before the first collective of the wrap.
         _agree(process_group, checks, caller)
+        _same_algorithm(algorithm, process_group, caller)
         self.module = module
         self.bagua_module_name = bagua_module_name or f"{type(module).__name__}_{id(module)}"
         self.bagua_optimizers = _check_optimizers(optimizers)
