@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import gossamer.bagua as bagua
-from gossamer.bagua.algorithms import bytegrad, decentralized, gradient_allreduce
+from gossamer.bagua.algorithms import bytegrad, decentralized, gradient_allreduce, q_adam
 from gossamer.bagua.data_parallel.distributed import DistributedDataParallel_V1_9_0
 from gossamer.errors import PeerArgumentError, PeerError
 from gossamer.testing import run_distributed
@@ -46,6 +46,12 @@ def _call(name, r, n):
         flatten = "no" if is_bad and name == "with_bagua do_flatten" else True
         algorithm = gradient_allreduce.GradientAllReduceAlgorithm()
         return lambda: model.with_bagua([opt], algorithm, do_flatten=flatten)
+    if name == "with_bagua QAdam optimizer":
+        model = nn.Linear(2, 2)
+        own = q_adam.QAdamOptimizer(model.parameters(), warmup_steps=1)
+        other = q_adam.QAdamOptimizer(nn.Linear(2, 2).parameters(), warmup_steps=1)
+        algorithm = q_adam.QAdamAlgorithm(other if is_bad else own)
+        return lambda: model.with_bagua([own], algorithm)
     if name.startswith("DistributedDataParallel"):
         return _ddp_call(name, is_bad)
     if name == "allreduce recv":
@@ -114,6 +120,7 @@ CASES = [
     "with_bagua algorithm",
     "with_bagua do_flatten",
     "with_bagua no trainable parameter",
+    "with_bagua QAdam optimizer",
     "DistributedDataParallel no trainable parameter",
     "DistributedDataParallel device_ids",
     "DistributedDataParallel device types",
@@ -181,11 +188,14 @@ def test_a_bad_facade_argument_on_one_rank_raises_on_every_rank(world_size):
     assert got[BAD][3][1][1] == (
         "ValueError: with_bagua: the module has no parameter that requires a gradient"
     )
-    assert got[0][6][1][1] == (
+    assert got[BAD][4][1][1].startswith(
+        "ValueError: QAdamAlgorithm's q_adam_optimizer must be one of the optimizers given"
+    )
+    assert got[0][7][1][1] == (
         "DistributedDataParallel: barrier: rank 1 rejected its arguments: ValueError: "
         "the module's parameters must be on one type of device; got ['cpu', 'meta']"
     )
-    assert got[BAD][7][1][1] == (
+    assert got[BAD][8][1][1] == (
         f"ValueError: allreduce: recv_tensor must have {2 * world_size} elements; got 3"
     )
     for k in range(len(CASES) - 3, len(CASES)):  # Bagua's src / dst, not gossamer's root

@@ -46,6 +46,9 @@ class Algorithm(abc.ABC):
     def reify(self, process_group: BaguaProcessGroup) -> AlgorithmImpl:
         """Create this algorithm's implementation for ``process_group``."""
 
+    def check_optimizers(self, optimizers: list[Any]) -> None:  # noqa: B027 (an optional hook)
+        """Raise ``ValueError`` if the algorithm cannot drive ``optimizers`` (any, here)."""
+
     @classmethod
     def init(cls, name: str, **kwargs: Any) -> Algorithm:
         """The registered algorithm ``name``, created with ``kwargs``.

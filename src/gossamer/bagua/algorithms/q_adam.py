@@ -278,3 +278,11 @@ class QAdamAlgorithm(Algorithm):
     def reify(self, process_group: BaguaProcessGroup) -> QAdamAlgorithmImpl:
         """The implementation for ``process_group``."""
         return QAdamAlgorithmImpl(process_group, self.optimizer, self.hierarchical)
+
+    def check_optimizers(self, optimizers: list[Any]) -> None:
+        """Its QAdamOptimizer must be one of ``optimizers``: QAdam steps through it."""
+        if not any(o is self.optimizer for o in optimizers):
+            raise ValueError(
+                "QAdamAlgorithm's q_adam_optimizer must be one of the optimizers given to "
+                f"with_bagua; got {[type(o).__name__ for o in optimizers]}"
+            )

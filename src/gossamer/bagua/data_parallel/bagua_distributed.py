@@ -187,6 +187,7 @@ class BaguaDistributedDataParallel:
                     f"algorithm must be a gossamer.bagua.algorithms.Algorithm; got {algorithm!r}"
                 )
             _check_optimizers(optimizers)
+            algorithm.check_optimizers(optimizers)
             if not isinstance(gradient_as_bucket_view, bool):
                 name = "do_flatten" if caller == "with_bagua" else "gradient_as_bucket_view"
                 raise TypeError(f"{name} must be a bool; got {gradient_as_bucket_view!r}")
