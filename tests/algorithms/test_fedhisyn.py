@@ -182,20 +182,28 @@ def _errors():
     model = linear_model()
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
-    for kwargs in ({"interval": 0}, {"step_time": -1.0}, {"calibration_steps": 1}):
+    for kwargs in (
+        {"interval": 0},
+        {"step_time": -1.0},
+        {"calibration_steps": 1},
+        {"num_groups": 2.0},
+        {"step_time": "fast"},
+    ):
         try:
             FedHiSyn(sgd, model, **kwargs)
-        except ValueError as err:
-            out.append(str(err))
+        except (TypeError, ValueError) as err:
+            out.append(f"{type(err).__name__}: {err}")
     return out
 
 
 def test_argument_errors():
     (errors,) = run_distributed(_errors, 1)
     assert errors == [
-        "interval must be an int >= 1; got 0",
-        "step_time must be a finite number > 0 or None; got -1.0",
-        "calibration_steps must be an int >= 2; got 1",
+        "ValueError: interval must be an int >= 1; got 0",
+        "ValueError: step_time must be a finite number > 0 or None; got -1.0",
+        "ValueError: calibration_steps must be an int >= 2; got 1",
+        "TypeError: num_groups must be an int >= 1; got 2.0",
+        "TypeError: step_time must be a finite number > 0 or None; got 'fast'",
     ]
 
 

@@ -522,7 +522,7 @@ def _argument_errors():
         ),
         (TypeError, "topology must be", bad["cliques"], ([[0, 1]],), {"topology": "ring"}),
         (ValueError, "alpha must be a number in", bad["ngc"], (), {"alpha": 1.5}),
-        (ValueError, "alpha must be a number in", bad["ngc"], (), {"alpha": True}),
+        (TypeError, "alpha must be a number in", bad["ngc"], (), {"alpha": True}),
         (
             ValueError,
             "is directed",

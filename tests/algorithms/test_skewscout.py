@@ -59,6 +59,7 @@ def test_controller_state_round_trip():
         ({"min_period": 4, "max_period": 2}, ValueError, r"max_period must be >= min_period"),
         ({"initial_period": 64}, ValueError, r"initial_period must be in \[1, 32\]; got 64"),
         ({"factor": 1}, ValueError, "factor must be an int >= 2; got 1"),
+        ({"factor": 2.0}, TypeError, "factor must be an int >= 2; got 2.0"),
         ({"hysteresis": -0.1}, ValueError, r"hysteresis must be in \[0, 1.0\]; got -0.1"),
     ],
 )

@@ -151,15 +151,16 @@ class FedHiSyn(AdaptThenCombine):
             ("interval", interval, 1),
             ("calibration_steps", calibration_steps, 2),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int >= {low}; got {value!r}")
+            if value < low:
                 raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
-        if step_time is not None and (
-            isinstance(step_time, bool)
-            or not isinstance(step_time, int | float)
-            or not math.isfinite(step_time)
-            or step_time <= 0
-        ):
-            raise ValueError(f"step_time must be a finite number > 0 or None; got {step_time!r}")
+        if step_time is not None:
+            said = f"step_time must be a finite number > 0 or None; got {step_time!r}"
+            if isinstance(step_time, bool) or not isinstance(step_time, int | float):
+                raise TypeError(said)
+            if not math.isfinite(step_time) or step_time <= 0:
+                raise ValueError(said)
         if not isinstance(scale_steps, bool):
             raise TypeError(f"scale_steps must be a bool; got {scale_steps!r}")
         super().__init__(

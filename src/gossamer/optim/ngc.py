@@ -63,8 +63,11 @@ _OP = "cross_gradient"
 def _check_alpha(alpha: object) -> float | None:
     if alpha is None:
         return None
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1:
-        raise ValueError(f"alpha must be a number in [0, 1] or None; got {alpha!r}")
+    said = f"alpha must be a number in [0, 1] or None; got {alpha!r}"
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise TypeError(said)
+    if not 0 <= alpha <= 1:
+        raise ValueError(said)
     return float(alpha)
 
 
@@ -90,7 +93,7 @@ class NGC(DecentralizedOptimizer):
         fusion_threshold_bytes (int | None): bucket size of the exchanges.
 
     Raises:
-        TypeError: ``topology`` is not a Topology.
+        TypeError: ``topology`` is not a Topology, or ``alpha`` not a number.
         ValueError: the graph is directed or of another size than the world, ``alpha``
             outside [0, 1], an unknown compressor, ``error_feedback`` without one.
 

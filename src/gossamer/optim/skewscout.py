@@ -104,7 +104,9 @@ def _real(value: object, name: str, alternative: str = "") -> float:
 
 
 def _check_int(value: object, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}; got {value!r}")
+    if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
     return value
 
@@ -239,7 +241,8 @@ class PeriodController:
         """Restore :meth:`state_dict`'s output.
 
         Raises:
-            ValueError: the saved period lies outside ``[min_period, max_period]``.
+            ValueError: ``state`` is not from :meth:`state_dict`, or its period lies
+                outside ``[min_period, max_period]``.
         """
         if not isinstance(state, dict) or "period" not in state:
             raise ValueError(
