@@ -161,9 +161,8 @@ class Liveness:
 
         The ranks a leaver had found lost that this rank had not (a rank that failed on a
         death and then left must not be blamed for it), else the leavers. Added to
-        :attr:`lost`. Read only
-        once a connection broke: a rank that left has finished its side of every call, but
-        a transfer from it may still be arriving.
+        :attr:`lost`. Read only once a connection broke: a rank that left has finished its
+        side of every call, but a transfer from it may still be arriving.
         """
         ranks = [r for r in range(self._size) if r != self._rank and peer in (None, r)]
         try:
