@@ -73,7 +73,7 @@ def test_other_settings_on_one_rank_raise_on_every_rank(kind, world_size):
     others = list(range(1, world_size))
     for message in out:
         assert message.startswith(
-            f"PeerError: {NAMES[kind]}: ranks {others} built it with other settings than "
+            f"PeerError: {NAMES[kind]}: ranks {others} gave other settings than "
             "rank 0; every rank must give the same (this rank: "
         ), message
     assert out[0] != out[1]  # each names its own settings

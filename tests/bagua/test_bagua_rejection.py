@@ -186,7 +186,8 @@ def test_a_bad_facade_argument_on_one_rank_raises_on_every_rank(world_size):
     )
     assert got[BAD][2][1][1] == "TypeError: do_flatten must be a bool; got 'no'"
     assert got[BAD][3][1][1] == (
-        "ValueError: with_bagua: the module has no parameter that requires a gradient"
+        "ValueError: with_bagua is not needed when a module has no parameter that requires a "
+        "gradient"
     )
     assert got[BAD][4][1][1].startswith(
         "ValueError: QAdamAlgorithm's q_adam_optimizer must be one of the optimizers given"
@@ -231,6 +232,6 @@ def test_ranks_wrapping_with_other_algorithms_raise_on_every_rank(case, world_si
     others = list(range(1, world_size))
     for message in run_distributed(_other_algorithm, world_size, args=(case,)):
         assert message.startswith(
-            f"with_bagua: ranks {others} of the group wrap with another algorithm or other "
-            "settings than its rank 0 (this rank: "
+            f"with_bagua: ranks {others} gave other settings than rank 0; every "
+            "rank must give the same (this rank: algorithm="
         ), message

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from gossamer import context, ops, transport
 from gossamer.communicators.compressed import configuration_id
@@ -75,15 +76,19 @@ def building(what: str) -> Iterator[None]:
         raise
 
 
-def agree(what: str, settings: Mapping[str, object]) -> None:
-    """Check that every rank built ``what`` with the same ``settings`` (collective).
+def agree(
+    what: str, settings: Mapping[str, object], group: dist.ProcessGroup | None = None
+) -> None:
+    """Check that every rank (of ``group``) built ``what`` with the same ``settings``.
+
+    Collective over ``group`` (default: the world); its ranks are named by their rank in it.
 
     Raises:
         PeerArgumentError: another rank's build of ``what`` failed (its own error says why).
         PeerError: on every rank, naming the ranks whose settings differ from rank 0's.
     """
     text = ", ".join(f"{name}={_describe(value)}" for name, value in settings.items())
-    rows = _exchange(configuration_id(f"{what}({text})"), failed=False)
+    rows = _exchange(configuration_id(f"{what}({text})"), failed=False, group=group)
     if rows is None:
         return
     failed = [r for r, (bad, _) in enumerate(rows) if bad]
@@ -94,12 +99,14 @@ def agree(what: str, settings: Mapping[str, object]) -> None:
     other = [r for r, (_, codec) in enumerate(rows) if codec != rows[0][1]]
     if other:
         raise PeerError(
-            f"{what}: ranks {other} built it with other settings than rank 0; every rank must "
+            f"{what}: ranks {other} gave other settings than rank 0; every rank must "
             f"give the same (this rank: {text})"
         )
 
 
-def _exchange(codec: int, failed: bool) -> list[list[int]] | None:
+def _exchange(
+    codec: int, failed: bool, group: dist.ProcessGroup | None = None
+) -> list[list[int]] | None:
     """Every rank's ``(failed, codec)``; None alone, or after a death (no world collective)."""
     if not context.is_initialized() or context.size() == 1:
         return None
@@ -107,7 +114,7 @@ def _exchange(codec: int, failed: bool) -> list[list[int]] | None:
     if live is not None and live.lost:  # survivors build among themselves
         return None
     mine = torch.tensor([int(failed), codec], dtype=torch.int64)
-    return ops.allgather(mine).view(-1, 2).tolist()
+    return ops.allgather(mine, group=group).view(-1, 2).tolist()
 
 
 def _describe(value: object) -> str:

@@ -92,6 +92,16 @@ from gossamer.optim.gradient_allreduce import GradientAllreduce
 __all__ = ["PeriodController", "SkewScout"]
 
 _REDUCTIONS = ("mean", "max")
+# The controller's settings, which every rank's must share (they decide the period).
+_RULE = (
+    "period",
+    "threshold",
+    "drift_threshold",
+    "min_period",
+    "max_period",
+    "factor",
+    "hysteresis",
+)
 
 
 def _real(value: object, name: str, alternative: str = "") -> float:
@@ -377,12 +387,11 @@ class SkewScout:
 
         Ranks probe and change their period together, so their rules must be the same.
         """
-        rule = ("period", "threshold", "drift_threshold", "min_period", "max_period")
         return {
             "probe_every": self.probe_every,
             "reduce": self.reduce,
             "sketch_size": self.sketch_size,
-            **{name: getattr(self.controller, name) for name in (*rule, "factor", "hysteresis")},
+            **{name: getattr(self.controller, name) for name in _RULE},
         }
 
     # ------------------------------------------------------------ torch.optim look-alike

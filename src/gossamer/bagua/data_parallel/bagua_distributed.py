@@ -12,7 +12,6 @@ collectives in the same order.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +25,9 @@ from gossamer.bagua._groups import BaguaProcessGroup, resolve
 from gossamer.bagua._state import state
 from gossamer.bagua.bucket import BaguaBucket
 from gossamer.bagua.communication import broadcast, broadcast_object
-from gossamer.errors import PeerArgumentError, PeerError
+from gossamer.errors import PeerArgumentError
 from gossamer.optim import DecentralizedOptimizer
+from gossamer.optim.agreement import agree
 
 __all__ = ["BaguaDistributedDataParallel"]
 
@@ -134,15 +134,7 @@ def _same_algorithm(algorithm: Any, process_group: BaguaProcessGroup, caller: st
     plain = (bool, int, float, str, type(None))
     ours = type(algorithm).__module__.startswith("gossamer.bagua.algorithms")
     fields = sorted((k, v) for k, v in vars(algorithm).items() if ours and isinstance(v, plain))
-    text = f"{type(algorithm).__name__}({', '.join(f'{k}={v!r}' for k, v in fields)})"
-    mine = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64)
-    sums = ops.allgather(mine, group=comm.group).tolist()
-    other = [r for r, value in enumerate(sums) if value != sums[0]]
-    if other:
-        raise PeerError(
-            f"{caller}: ranks {other} of the group wrap with another algorithm or other "
-            f"settings than its rank 0 (this rank: {text})"
-        )
+    agree(caller, {"algorithm": type(algorithm).__name__, **dict(fields)}, group=comm.group)
 
 
 class BaguaDistributedDataParallel:
@@ -191,8 +183,11 @@ class BaguaDistributedDataParallel:
             if not isinstance(gradient_as_bucket_view, bool):
                 name = "do_flatten" if caller == "with_bagua" else "gradient_as_bucket_view"
                 raise TypeError(f"{name} must be a bool; got {gradient_as_bucket_view!r}")
-            if caller == "with_bagua" and not any(p.requires_grad for p in module.parameters()):
-                raise ValueError(f"{caller}: the module has no parameter that requires a gradient")
+            if not any(p.requires_grad for p in module.parameters()):
+                raise ValueError(
+                    f"{caller} is not needed when a module has no parameter that requires a "
+                    "gradient"
+                )
             if extra_checks is not None:
                 extra_checks()
 

@@ -43,12 +43,10 @@ def to_bagua_process_group(process_group: Any = None) -> BaguaProcessGroup:
 
 
 def _check_module(module: nn.Module, device_ids: list[int | torch.device] | None) -> None:
-    """Raise ValueError unless ``module`` and ``device_ids`` can be wrapped."""
-    if not any(p.requires_grad for p in module.parameters()):
-        raise ValueError(
-            "DistributedDataParallel is not needed when a module has no parameter that "
-            "requires a gradient"
-        )
+    """Raise ValueError unless ``device_ids`` and the module's devices can be wrapped.
+
+    The engine refuses a module without trainable parameters (for ``with_bagua`` too).
+    """
     if device_ids is not None and len(device_ids) > 1:
         raise ValueError(
             f"device_ids can only be None or contain a single element; got {device_ids}"
