@@ -63,6 +63,7 @@ __all__ = [
     "CHECKPOINT_RESIZE",
     "DEAD_KEY",
     "DEATHS_KEY",
+    "LEFT_KEY",
     "LaunchInfo",
     "Settings",
     "launch_info",
@@ -80,6 +81,9 @@ DEAD_KEY = "gossamer/dead/"
 # Counts the tombstones the agent wrote (after each one): a rank waiting for every rank to
 # reach init polls this one key, instead of one tombstone per rank.
 DEATHS_KEY = "gossamer/deaths"
+# A rank that leaves by shutdown() sets this (plus its rank) to the ranks it had found lost:
+# its peers tell a leaver from a death by it, and the agent an early finisher from a survivor.
+LEFT_KEY = "gossamer/left/"
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 

@@ -143,8 +143,10 @@ def test_elastic_survivors_finish_and_the_launch_exits_0(tmp_path):
 
 
 # Rank 1 finishes early (less data) with code 0; gradient allreduce is not elastic, so
-# the others raise RankLostError naming it.
+# the others raise RankLostError naming it. Rank 1 is slow to exit after shutdown(): the
+# others fail while it still runs, and it must not count as a rank that went on.
 EARLY_FINISH = textwrap.dedent(r"""
+    import time
     import torch
     import gossamer
     from gossamer import optim
@@ -157,6 +159,8 @@ EARLY_FINISH = textwrap.dedent(r"""
         model(torch.randn(4, 3)).pow(2).mean().backward()
         opt.step()
     gossamer.shutdown()
+    if rank == 1:
+        time.sleep(3)
 """)
 
 

@@ -7,7 +7,8 @@ failed; the agent then restarts the group or gives up. Ranks that train with
 policy: it polls the rank processes itself, records a rank that failed (killed, or a
 non-zero exit) as *lost*, and reports the group healthy while at least ``min_ranks`` of
 this agent's ranks are alive (running, or finished with code 0 after the last loss: a rank
-that finished before a loss did not go on without the lost one). Below that it reports
+that finished before a loss, or had left by ``shutdown()`` without having found it lost,
+did not go on without the lost one). Below that it reports
 the group failed with every loss so far, and torchrun does what it always does: restart
 the group (``--max-restarts``) or stop it. When every rank has ended and at least
 ``min_ranks`` ended with code 0, the group has succeeded; the lost ranks are kept in
@@ -87,14 +88,15 @@ class SurvivingAgent(LocalElasticAgent):
             local_rank: (worker_group.workers[local_rank].global_rank, handler.proc.poll())
             for local_rank, handler in handlers.items()
         }
-        running = sum(code is None for _, code in codes.values())
+        running = {rank for rank, code in codes.values() if code is None}
         finished = {rank for rank, code in codes.values() if code == 0}
         for local_rank, (global_rank, code) in codes.items():
             handler = handlers[local_rank]
             if code not in (None, 0) and global_rank not in self.lost:
                 # Ranks already done did not go on without it (an early finisher, and the
-                # others then raising RankLostError, is a failed job).
-                self._before_loss |= finished
+                # others then raising RankLostError, is a failed job). One that has left
+                # but not yet exited counts too: the others find its exit at once.
+                self._before_loss |= finished | self._left(worker_group, running, global_rank)
                 self.lost[global_rank] = ProcessFailure(
                     local_rank=local_rank,
                     pid=handler.proc.pid,
@@ -119,23 +121,48 @@ class SurvivingAgent(LocalElasticAgent):
         before it got there. Best effort: without it they still find a death after init by
         the heartbeat (one before init then costs them ``GOSSAMER_TIMEOUT``).
         """
-        spec = worker_group.spec
-        if not spec.rdzv_handler.use_agent_store:
-            return  # the ranks' store is not this agent's: they judge by heartbeats
         try:
-            store = dist.TCPStore(
-                worker_group.master_addr,
-                worker_group.master_port,
-                is_master=False,
-                timeout=timedelta(seconds=5),
-            )
-            # The prefix the ranks of this attempt use (gossamer.context, as torch's env://).
-            attempt = spec.max_restarts - self._remaining_restarts
-            ranks = dist.PrefixStore(f"/worker/attempt_{attempt}", store)
-            ranks.set(f"{env.DEAD_KEY}{rank}", "1")
-            ranks.add(env.DEATHS_KEY, 1)
+            ranks = self._ranks_store(worker_group)
+            if ranks is not None:
+                ranks.set(f"{env.DEAD_KEY}{rank}", "1")
+                ranks.add(env.DEATHS_KEY, 1)
         except Exception:
             logger.warning("could not mark rank %d dead in the store", rank, exc_info=True)
+
+    def _left(self, worker_group: WorkerGroup, ranks: set[int], lost: int) -> set[int]:
+        """The ``ranks`` that left by ``shutdown()`` without having found ``lost`` lost.
+
+        Read from the marks :data:`gossamer.env.LEFT_KEY` in the ranks' store; best effort
+        (none without the agent's store).
+        """
+        try:
+            store = self._ranks_store(worker_group) if ranks else None
+            if store is None:
+                return set()
+            marks = {r: f"{env.LEFT_KEY}{r}" for r in ranks}
+            return {
+                r
+                for r, key in marks.items()
+                if store.check([key]) and str(lost) not in store.get(key).decode().split(",")
+            }
+        except Exception:
+            logger.warning("could not read which ranks left", exc_info=True)
+            return set()
+
+    def _ranks_store(self, worker_group: WorkerGroup) -> dist.Store | None:
+        """The store the ranks of this attempt use, if it is this agent's; else None."""
+        spec = worker_group.spec
+        if not spec.rdzv_handler.use_agent_store:
+            return None  # the ranks' store is not this agent's: they judge by heartbeats
+        store = dist.TCPStore(
+            worker_group.master_addr,
+            worker_group.master_port,
+            is_master=False,
+            timeout=timedelta(seconds=5),
+        )
+        # The prefix the ranks of this attempt use (gossamer.context, as torch's env://).
+        attempt = spec.max_restarts - self._remaining_restarts
+        return dist.PrefixStore(f"/worker/attempt_{attempt}", store)
 
 
 @contextlib.contextmanager

@@ -17,10 +17,12 @@ store; a rank with a tombstone is lost without waiting for its counter to go sta
 death is confirmed within the agent's poll interval (0.1 s) instead of ``DEAD_AFTER_S``.
 
 A rank that leaves by ``shutdown()`` (or at the program's end) writes ``gossamer/left/<rank>``
-with the ranks it had found lost. A peer whose connection to it then breaks reads the marks
-(:meth:`Liveness.check_left`) and names at once the ranks lost: the ones the leaver had
-found lost (it may have left because of them), else the leaver itself. Its heartbeat goes
-on while it closes, so the counters alone could take ``GOSSAMER_DEAD_AFTER`` to tell.
+(:data:`gossamer.env.LEFT_KEY`) with the ranks it had found lost. A peer whose connection to
+it then breaks reads the marks (:meth:`Liveness.check_left`) and names at once the ranks
+lost: the ones the leaver had found lost (it may have left because of them), else the
+leaver itself. Its heartbeat goes on while it closes, so the counters alone could take
+``GOSSAMER_DEAD_AFTER`` to tell. The launcher's agent reads the marks too (an early
+finisher that has not yet exited did not go on without a later loss).
 
 Counters, not clocks, so clock skew between machines cannot make a live rank look dead; a
 rank is judged only on changes this rank observed itself. Nothing is read while operations
@@ -46,7 +48,6 @@ BEAT_S = 0.5  # a rank writes its counter this often
 STALL_S = 0.5  # a wait this long starts reading the counters
 DEAD_AFTER_S = 3.0  # default: a counter unchanged this long (seen here) marks its rank lost
 _PREFIX = "gossamer/alive/"
-_LEFT = "gossamer/left/"  # set by a rank that leaves by shutdown(): the ranks it found lost
 
 
 class Liveness:
@@ -152,7 +153,8 @@ class Liveness:
         """Mark this rank left, with the ranks it had found lost (why it may be leaving)."""
         try:
             with self._lock:
-                self._store.set(f"{_LEFT}{self._rank}", ",".join(map(str, sorted(self.lost))))
+                lost = ",".join(map(str, sorted(self.lost)))
+                self._store.set(f"{env.LEFT_KEY}{self._rank}", lost)
         except Exception:  # the store's host left first: nobody can read the mark anyway
             logger.debug("rank %d could not mark itself left", self._rank, exc_info=True)
 
@@ -167,7 +169,7 @@ class Liveness:
         ranks = [r for r in range(self._size) if r != self._rank and peer in (None, r)]
         try:
             with self._lock:
-                keys = [f"{_LEFT}{r}" for r in ranks]
+                keys = [f"{env.LEFT_KEY}{r}" for r in ranks]
                 marks = {
                     r: self._store.get(k)
                     for r, k in zip(ranks, keys, strict=True)
