@@ -247,6 +247,9 @@ def test_error_feedback_keys_reset_and_errors():
     assert ef.state_dict()["residuals"] == {}
     with pytest.raises(TypeError, match="compressor must be a Compressor; got str"):
         ErrorFeedback("sign")
+    for dtype in (torch.bool, torch.int8):  # `none` passes them, but a residual cannot
+        with pytest.raises(TypeError, match=f"must be a floating tensor; got {dtype}"):
+            ErrorFeedback(NoCompression()).compress(torch.ones(3, dtype=dtype), key=0)
     with pytest.raises(ValueError, match="state must hold 'compressor' and 'residuals'"):
         ef.load_state_dict({"residuals": {}})
     with pytest.raises(ValueError, match=r"state\['residuals'\] must map keys to tensors; got 'w'"):

@@ -74,10 +74,13 @@ class ErrorFeedback:
             ``C(tensor + e)``.
 
         Raises:
-            TypeError: as :meth:`Compressor.compress`.
+            TypeError: ``tensor`` is not a floating tensor, or as :meth:`Compressor.compress`.
             ValueError: ``tensor``'s shape, dtype or device differs from the residual
                 already held for ``key``.
         """
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+            # The residual x - D(C(x)) needs real arithmetic (a bool cannot be subtracted).
+            raise TypeError(f"ErrorFeedback: tensor must be a floating tensor; got {tensor.dtype}")
         residual = self._residuals.get(key)
         if residual is None:
             corrected = tensor

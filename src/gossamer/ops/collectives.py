@@ -115,7 +115,10 @@ def allreduce(
     (float16 and bfloat16 are accumulated in float32); sums also take integer dtypes (int16
     summed in int32, wrapping like int16 arithmetic) and bool (a logical or). ``op`` picks
     another elementwise reduction: :math:`\prod_r x_r`, :math:`\min_r x_r`,
-    :math:`\max_r x_r`, or a bitwise and/or/xor of integer or bool tensors.
+    :math:`\max_r x_r`, or a bitwise and/or/xor of integer or bool tensors. ``"min"`` and
+    ``"max"`` are the backend's comparisons; gloo's do not propagate NaN (a NaN held by one
+    rank reaches the result or not, depending on the rank). To find a non-finite value on
+    any rank, sum ``(~x.isfinite()).sum()`` instead.
 
     Args:
         tensor (torch.Tensor): this rank's contribution; same dtype and shape on every rank.
