@@ -357,6 +357,8 @@ def _traced_training(kind, path):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if kind == "atc":
         opt = optim.AdaptThenCombine(sgd, model, fusion_threshold_bytes=64)
+    elif kind == "awc":
+        opt = optim.AdaptWithCombine(sgd, model, fusion_threshold_bytes=64)
     else:
         opt = optim.GradientAllreduce(sgd, model, fusion_threshold_bytes=64)
     x, y = _batch(gossamer.rank(), 0)
@@ -404,6 +406,17 @@ def test_timeline_shows_communication_inside_the_backward_pass(tmp_path, kind, o
         if kind == "atc":
             steps = [(t0, t1) for row, what, t0, t1 in spans if what == "local step"]
             assert all(any(b0 <= s0 and s1 <= b1 for s0, s1 in steps) for b0, b1 in backward)
+
+
+def test_timeline_shows_awc_waiting_for_its_combine_in_step(tmp_path):
+    for path in run_distributed(_traced_training, 2, args=("awc", str(tmp_path / "awc"))):
+        spans = _spans(path)
+        backward = [t1 for row, what, _, t1 in spans if (row, what) == ("train", "backward")]
+        waits = [
+            t0 for row, what, t0, _ in spans if (row, what) == ("optimizer", "waiting for combine")
+        ]
+        assert len(backward) == 2 and len(waits) == 2, spans
+        assert all(b1 <= w0 for b1, w0 in zip(backward, sorted(waits), strict=True))
 
 
 # ---------------------------------------------------------------- push-sum

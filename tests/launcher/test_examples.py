@@ -196,6 +196,15 @@ def test_train_digits_refuses_compressed_push_sum_before_it_starts():
     assert done.returncode == 2 and "not built for --optimizer push_sum" in done.stderr
 
 
+@pytest.mark.parametrize(("given", "used"), [([], "uint8"), (["--compression", "none"], "none")])
+def test_train_digits_header_names_the_compression_dcd_uses(given, used, tmp_path):
+    """dcd compresses to 8 bits unless told otherwise; the header used to say "none"."""
+    args = ["--optimizer", "dcd", *given, "--epochs", "1", "--batch-size", "1024"]
+    args += ["--no-baseline", "--no-progress", "--out", tmp_path]
+    out = _python(EXAMPLES / "train_digits.py", *args)
+    assert out.splitlines()[0].endswith(f"; compression {used}"), out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     # dcd (DifferenceGossip) is ATC's path with another communicator, checked against its

@@ -64,6 +64,8 @@ CASES = [
     ("examples/average_consensus.py", ["--data-size", "0"], ["--data-size", "0"]),
     ("examples/average_consensus.py", ["--data-size", "-2"], ["--data-size", "-2"]),
     ("examples/average_consensus.py", ["--work-ms", "-5"], ["--work-ms", "-5"]),
+    # The synchronous rounds simulate no work: a --work-ms there used to be ignored silently.
+    ("examples/average_consensus.py", ["--work-ms", "5"], ["--work-ms", "5", "--asynchronous"]),
     ("examples/train_digits.py", ["--epochs", "0"], ["--epochs", "0"]),
     ("examples/train_digits.py", ["--epochs", "-1"], ["--epochs", "-1"]),
     ("examples/train_digits.py", ["--batch-size", "0"], ["--batch-size", "0"]),
@@ -71,10 +73,38 @@ CASES = [
     ("examples/train_digits.py", ["--test-fraction", "0"], ["--test-fraction", "0"]),
     ("examples/train_digits.py", ["--test-fraction", "1e-4"], ["--test-fraction", "0.0001"]),
     ("examples/train_digits.py", ["--batch-size", "2000"], ["--batch-size", "2000"]),
+    # The compression spec is checked before any rank starts (it used to fail in the
+    # optimizer, in a traceback from every rank), with the library's message.
+    ("examples/train_digits.py", ["--compression", "bogus"], ["--compression", "bogus"]),
+    ("examples/train_digits.py", ["--compression", "topk:2"], ["--compression", "topk:2"]),
+    ("examples/train_digits.py", ["--compression", "powersgd:0"], ["--compression", "powersgd:0"]),
+    ("examples/train_digits.py", ["--compression", "powersgd"], ["--compression", "powersgd"]),
+    (
+        "examples/train_digits.py",
+        ["--optimizer", "dcd", "--topology", "one_peer"],
+        ["--topology", "one_peer", "dcd"],
+    ),
     ("examples/decentralized_optimization.py", ["--samples", "0"], ["--samples", "0"]),
     ("examples/decentralized_optimization.py", ["--dim", "0"], ["--dim", "0"]),
     ("examples/decentralized_optimization.py", ["--print-every", "0"], ["--print-every", "0"]),
     ("examples/decentralized_optimization.py", ["--max-iters", "-1"], ["--max-iters", "-1"]),
+    # These used to run and diverge (to 1e81 or nan).
+    ("examples/decentralized_optimization.py", ["--lr", "-1"], ["--lr", "-1"]),
+    ("examples/decentralized_optimization.py", ["--lr", "0"], ["--lr", "0"]),
+    ("examples/decentralized_optimization.py", ["--lr", "nan"], ["--lr", "nan"]),
+    ("examples/decentralized_optimization.py", ["--lr", "inf"], ["--lr", "inf"]),
+    ("examples/decentralized_optimization.py", ["--rho", "-1"], ["--rho", "-1"]),
+    ("examples/decentralized_optimization.py", ["--rho", "nan"], ["--rho", "nan"]),
+    ("benchmarks/bench_overlap.py", ["--steps", "0"], ["--steps", "0"]),
+    ("benchmarks/bench_overlap.py", ["--reps", "0"], ["--reps", "0"]),
+    ("benchmarks/bench_overlap.py", ["--warmup", "-1"], ["--warmup", "-1"]),
+    # An unknown name used to train as ATC, in a row labelled with that name.
+    ("benchmarks/bench_overlap.py", ["--strategies", "bogus"], ["--strategies", "bogus"]),
+    (
+        "benchmarks/bench_overlap.py",
+        ["--strategies", "awc/one-peer,atc"],
+        ["--strategies", "'atc'"],
+    ),
     ("examples/synthetic_benchmark.py", ["--batch-size", "0"], ["--batch-size", "0"]),
     (
         "examples/synthetic_benchmark.py",
@@ -97,23 +127,29 @@ CASES = [
 ]
 
 
+def _alone(script, argv, cwd, timeout=60, **env_vars):
+    """Run ``script argv`` in a world of one, in ``cwd``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # a world of one, whatever launched the tests
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env | env_vars,
+    )
+
+
 @pytest.mark.parametrize(
     ("script", "argv", "named"),
     CASES,
     ids=[f"{s.split('/')[-1]} {' '.join(a)}" for s, a, _ in CASES],
 )
 def test_a_bad_value_is_an_argparse_error(script, argv, named, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)  # a world of one, whatever launched the tests
-    done = subprocess.run(
-        [sys.executable, str(ROOT / script), *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,  # nothing a script would write lands in the repository
-        env=env,
-    )
+    # In tmp_path: nothing a script would write lands in the repository.
+    done = _alone(script, argv, tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     error = done.stderr.strip().splitlines()[-1]
@@ -121,6 +157,29 @@ def test_a_bad_value_is_an_argparse_error(script, argv, named, tmp_path):
     for word in named:
         assert word in error, done.stderr
     assert not list(tmp_path.iterdir())  # no results written
+
+
+def test_decentralized_optimization_warns_of_underdetermined_least_squares(tmp_path):
+    """Fewer equations than unknowns runs (one may want to see it), with a warning."""
+    argv = ["--samples", "3", "--dim", "5", "--max-iters", "1", "--method", "diffusion"]
+    done = _alone("examples/decentralized_optimization.py", argv, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "3 < --dim 5: least squares is underdetermined" in done.stderr
+    done = _alone("examples/decentralized_optimization.py", argv[2:], tmp_path)
+    assert done.returncode == 0 and "underdetermined" not in done.stderr, done.stderr
+
+
+def test_bench_overlap_leaves_no_trace_without_trace(tmp_path):
+    """The merged trace is only read, unless --trace asks to keep it."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    argv = ["--steps", "1", "--reps", "1", "--warmup", "0", "--strategies", "atc/one-peer"]
+    done = _alone("benchmarks/bench_overlap.py", argv, tmp_path, timeout=120, TMPDIR=str(scratch))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "results" / "bench_overlap.md").exists()
+    # (torch may leave its own caches there)
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("bench_overlap")]
+    assert not list(tmp_path.glob("*.json"))
 
 
 # netbench: checked in process, with everything after the option check made to fail, so a

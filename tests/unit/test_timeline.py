@@ -209,6 +209,24 @@ def test_starting_twice_and_bad_arguments_raise(tmp_path):
         timeline.start_timeline("")
     with pytest.raises(TypeError, match="merged"):
         timeline.start_timeline(tmp_path / "t", merged=1)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"path: cannot make the folder of .*file/sub/t"):
+        timeline.start_timeline(tmp_path / "file" / "sub" / "t")
+    (tmp_path / "d.rank0.json").mkdir()
+    with pytest.raises(ValueError, match=r"path: .*d\.rank0\.json' is a directory"):
+        timeline.start_timeline(tmp_path / "d")
+    assert not timeline.timeline_enabled()
+    for call in (
+        lambda: timeline.start_activity(3, "x"),
+        lambda: timeline.start_activity("row", None),
+        lambda: timeline.end_activity(3),
+        lambda: timeline.activity(1, "x"),
+        lambda: timeline.activity("row", 2),
+    ):
+        with pytest.raises(TypeError, match=r"(name|activity) must be a str; got"):
+            call()
+    with pytest.raises(TypeError, match="op must be a str or None; got 5"):
+        counters.bytes_sent(5)
     timeline.start_timeline(tmp_path / "t")
     with pytest.raises(RuntimeError, match="already on"):
         timeline.start_timeline(tmp_path / "u")
@@ -332,7 +350,9 @@ def test_merge_traces_rejects_bad_inputs_naming_them(tmp_path):
         timeline.merge_traces([one, one], out)
     with pytest.raises(ValueError, match="both hold rank 0"):
         timeline.merge_traces([one, tmp_path / "r0-again.json"], out)
-    assert not out.exists()
+    with pytest.raises(ValueError, match=r"output: .* is a directory"):
+        timeline.merge_traces([one], tmp_path)
+    assert not out.exists() and not list(tmp_path.parent.glob(f".{tmp_path.name}*"))
     assert timeline.merge_traces((p for p in [one]), out) == out  # any iterable of paths
 
 
@@ -405,6 +425,10 @@ def test_maybe_start_from_env(tmp_path, monkeypatch):
     with timeline.activity("x", "y"):
         pass
     assert timeline.stop_timeline() == [tmp_path / "env.rank0.json"]
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("GOSSAMER_TIMELINE", str(tmp_path / "file" / "t"))
+    with pytest.raises(ValueError, match=r"GOSSAMER_TIMELINE='.*file/t': path: cannot make"):
+        timeline.maybe_start_from_env()
 
 
 def test_a_timeline_left_on_is_written_at_exit(tmp_path):

@@ -23,11 +23,13 @@ from gossamer.communicators import COMMUNICATIONS, Communicator, Pending, make
 from gossamer.compression import Compressor
 from gossamer.fusion import Bucket, bucketize
 from gossamer.optim.agreement import agreed
+from gossamer.profiling import timeline
 from gossamer.topology import Step, Topology
 
 __all__ = ["COMMUNICATIONS", "Communicator", "DecentralizedOptimizer", "evaluate"]
 
 DEFAULT_FUSION_BYTES = 8 * 2**20
+TIMELINE_ROW = "optimizer"  # the timeline row of the optimizers' own spans
 
 
 # the optimizers not closed yet (their hooks and buckets drive their parameters)
@@ -408,10 +410,13 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for the communication in flight and write its results into the parameters."""
         pending, self._pending = self._pending, []
-        for bucket, handle, finish in pending:
-            if handle is not None:
-                result = handle.wait()
-                bucket.unpack(result if finish is None else finish(result), lambda p: p.data)
+        if not pending:
+            return
+        with timeline.activity(TIMELINE_ROW, "waiting for combine"):
+            for bucket, handle, finish in pending:
+                if handle is not None:
+                    result = handle.wait()
+                    bucket.unpack(result if finish is None else finish(result), lambda p: p.data)
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:

@@ -23,13 +23,11 @@ from collections.abc import Callable, Container
 import torch
 
 from gossamer import transport
-from gossamer.optim.base import DecentralizedOptimizer, evaluate
+from gossamer.optim.base import TIMELINE_ROW, DecentralizedOptimizer, evaluate
 from gossamer.optim.overlap import BucketwiseOptimizer, module_buckets
 from gossamer.profiling import timeline
 
 __all__ = ["AdaptThenCombine", "AdaptWithCombine"]
-
-_ROW = "optimizer"  # the timeline row of the optimizers' own spans
 
 
 class AdaptWithCombine(DecentralizedOptimizer):
@@ -217,7 +215,7 @@ class AdaptThenCombine(BucketwiseOptimizer):
         first = self._queued == 0 and not self._ready  # this step's first local step
         if first and self.exact_diffusion and getattr(self.communicator, "elastic", False):
             self._restart_after_death(self.communicator.rounds + 1)
-        with timeline.activity(_ROW, "local step"):
+        with timeline.activity(TIMELINE_ROW, "local step"):
             x = bucket.pack().clone() if self.exact_diffusion else None
             self._step_only(bucket.tensors)
             sent = bucket.pack()
@@ -234,7 +232,7 @@ class AdaptThenCombine(BucketwiseOptimizer):
         if not mine:
             return
         self._pending = [e for e in self._pending if self._index[e[0]] not in indices]
-        with timeline.activity(_ROW, "waiting for combine"):
+        with timeline.activity(TIMELINE_ROW, "waiting for combine"):
             for bucket, handle, finish in mine:
                 if handle is not None:
                     result = handle.wait()

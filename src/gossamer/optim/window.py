@@ -23,7 +23,7 @@ import torch
 
 from gossamer.communicators import PushSumGossip, WindowPutGossip
 from gossamer.compression import get_compressor
-from gossamer.optim.base import evaluate
+from gossamer.optim.base import TIMELINE_ROW, evaluate
 from gossamer.optim.combine import AdaptThenCombine, AdaptWithCombine
 from gossamer.optim.overlap import BucketwiseOptimizer
 from gossamer.profiling import timeline
@@ -252,7 +252,7 @@ class PushSum(_OverWindows, BucketwiseOptimizer):
 
     def _step_bucket(self, index: int) -> tuple[torch.Tensor, None]:
         bucket = self.buckets[index]
-        with timeline.activity("optimizer", "local step"):
+        with timeline.activity(TIMELINE_ROW, "local step"):
             self._step_only(bucket.tensors)
         return bucket.pack(), None
 

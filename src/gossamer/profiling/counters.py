@@ -146,7 +146,12 @@ def bytes_sent(op: str | None = None) -> int:
     Example:
         >>> bytes_sent("neighbor_allreduce")  # doctest: +SKIP
         8352
+
+    Raises:
+        TypeError: ``op`` is not a str.
     """
+    if op is not None and not isinstance(op, str):
+        raise TypeError(f"op must be a str or None; got {op!r}")
     with _lock:
         return sum(_sent.values()) if op is None else _sent.get(op, 0)
 

@@ -20,6 +20,7 @@ import contextlib
 import os
 import pathlib
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -146,7 +147,8 @@ def start_timeline(path: str | os.PathLike[str], *, merged: bool = False) -> Non
 
     Raises:
         TypeError: ``path`` is not a path or ``merged`` not a bool.
-        ValueError: ``path`` is empty.
+        ValueError: ``path`` is empty, names a directory, or its folder cannot be made or
+            written.
         RuntimeError: the timeline is already on.
 
     Example:
@@ -156,6 +158,10 @@ def start_timeline(path: str | os.PathLike[str], *, merged: bool = False) -> Non
     text = trace._check_path(path, "path")
     if not isinstance(merged, bool):
         raise TypeError(f"merged must be a bool; got {merged!r}")
+    # Found now, not at the stop (or at exit, where the trace would be lost quietly).
+    trace.check_writable(trace._rank_file(text, _world.rank), "path")
+    if merged:
+        trace.check_writable(trace._merged_file(text), "path")
     with _lock:
         if spans.timeline_enabled():
             raise RuntimeError(
@@ -248,7 +254,10 @@ def _write_at_exit() -> None:
         return
     run, part = _take()
     # Per-rank even when merged was asked for: the other ranks may be gone by now.
-    trace._write_rank(run.path, part)
+    try:
+        trace._write_rank(run.path, part)
+    except OSError as err:  # a traceback from an atexit hook says less than this
+        print(f"gossamer: the timeline {run.path!r} could not be written: {err}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -285,5 +294,8 @@ def maybe_start_from_env() -> bool:
     path = env.settings().timeline
     if path is None or spans.timeline_enabled():
         return False
-    start_timeline(path)
+    try:
+        start_timeline(path)
+    except ValueError as err:
+        raise ValueError(f"GOSSAMER_TIMELINE={path!r}: {err}") from None
     return True

@@ -121,6 +121,11 @@ def record(name: str | None, phase: str) -> contextlib.AbstractContextManager[No
     return _Recording(name, phase)
 
 
+def _check_label(value: object, what: str) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str; got {value!r}")
+
+
 def activity(name: str, activity: str) -> contextlib.AbstractContextManager[None]:
     """Time a ``with`` block as ``activity`` on row ``name`` (BlueFog's ``timeline_context``).
 
@@ -131,10 +136,15 @@ def activity(name: str, activity: str) -> contextlib.AbstractContextManager[None
     Returns:
         A context manager; it records nothing while the timeline is off.
 
+    Raises:
+        TypeError: ``name`` or ``activity`` is not a str.
+
     Example:
         >>> with activity("layer1.weight", "FORWARD"):
         ...     pass
     """
+    _check_label(name, "name")
+    _check_label(activity, "activity")
     if not _on:
         return _OFF
     return _Recording(name, activity)
@@ -233,10 +243,15 @@ def start_activity(name: str, activity: str) -> None:
         name (str): the row, e.g. a tensor name.
         activity (str): the label of the span.
 
+    Raises:
+        TypeError: ``name`` or ``activity`` is not a str.
+
     Example:
         >>> start_activity("batch", "LOAD")
         >>> end_activity("batch")
     """
+    _check_label(name, "name")
+    _check_label(activity, "activity")
     if not _on:
         return
     t0 = _now()
@@ -253,10 +268,14 @@ def end_activity(name: str) -> None:
     Args:
         name (str): the row given to :func:`start_activity`.
 
+    Raises:
+        TypeError: ``name`` is not a str.
+
     Example:
         >>> start_activity("batch", "LOAD")
         >>> end_activity("batch")
     """
+    _check_label(name, "name")
     if not _on:
         return
     t1 = _now()

@@ -40,6 +40,22 @@ def _check_path(path: object, what: str) -> str:
     return text
 
 
+def check_writable(file: pathlib.Path, what: str) -> None:
+    """Raise unless ``file`` can be written: its folder made, and it is not a folder itself.
+
+    Raises:
+        ValueError: naming ``what`` and the reason.
+    """
+    if file.is_dir():
+        raise ValueError(f"{what}: {str(file)!r} is a directory, not a file to write")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{what}: cannot make the folder of {str(file)!r} ({err})") from err
+    if not os.access(file.parent, os.W_OK):
+        raise ValueError(f"{what}: the folder of {str(file)!r} is not writable")
+
+
 def _stem(path: str) -> str:
     stem = path.removesuffix(".json")
     if not os.path.basename(stem):  # "out/": a directory was meant
@@ -156,17 +172,21 @@ def _write(path: pathlib.Path, document: dict[str, Any]) -> pathlib.Path:
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     events = document["traceEvents"]
     rest = {k: v for k, v in document.items() if k != "traceEvents"}
-    with open(partial, "w", encoding="utf-8") as f:
-        # json.dump encodes in pure Python (~30 µs an event); json.dumps uses the C encoder.
-        # Chunks keep the string in memory small for long traces.
-        f.write('{"traceEvents":[')
-        for i in range(0, len(events), _CHUNK):
-            if i:
-                f.write(",")
-            f.write(json.dumps(events[i : i + _CHUNK], separators=(",", ":"))[1:-1])
-        f.write("],")
-        f.write(json.dumps(rest, separators=(",", ":"))[1:])
-    os.replace(partial, path)
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            # json.dump encodes in pure Python (~30 µs an event); json.dumps uses the C
+            # encoder. Chunks keep the string in memory small for long traces.
+            f.write('{"traceEvents":[')
+            for i in range(0, len(events), _CHUNK):
+                if i:
+                    f.write(",")
+                f.write(json.dumps(events[i : i + _CHUNK], separators=(",", ":"))[1:-1])
+            f.write("],")
+            f.write(json.dumps(rest, separators=(",", ":"))[1:])
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -257,7 +277,8 @@ def merge_traces(
         TypeError: ``inputs`` is a single path or not iterable, or an input or ``output``
             is not a path.
         ValueError: ``inputs`` is empty, an input is not a per-rank trace written by this
-            module, or two inputs hold the same rank.
+            module, two inputs hold the same rank, or ``output`` is a directory or in a
+            folder that cannot be made or written.
         OSError: an input could not be read or ``output`` written.
 
     Example:
@@ -279,6 +300,7 @@ def merge_traces(
     if not names:
         raise ValueError("inputs must name at least one per-rank trace file; got none")
     target = pathlib.Path(_check_path(output, "output"))
+    check_writable(target, "output")
     parts: list[_Part] = []
     holder: dict[int, str] = {}  # rank -> the input that held it
     for i, name in enumerate(names):
