@@ -105,28 +105,64 @@ def per_step(found: list[tuple], strategy: str) -> dict[str, list[float]]:
     return out
 
 
+def _count(least: int):
+    """An argparse ``type=``: an int >= ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}; got {text}")
+        return value
+
+    return parse
+
+
+def _strategies(text: str) -> list[str]:
+    """An argparse ``type=``: comma-separated names from ``STRATEGIES``."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in STRATEGIES]
+    if unknown:
+        # wrap() would train any other name as ATC and label its row with that name.
+        raise argparse.ArgumentTypeError(
+            f"unknown strategy {unknown[0]!r} in {text!r}; choose from {', '.join(STRATEGIES)}"
+        )
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument(
+        "--strategies",
+        type=_strategies,
+        default=list(STRATEGIES),
+        help=f"comma-separated, from {','.join(STRATEGIES)} (default: all)",
+    )
+    # Medians over the timed steps and reps: at least one of each.
+    parser.add_argument("--steps", type=_count(1), default=20)
+    parser.add_argument("--warmup", type=_count(0), default=3)
+    parser.add_argument("--reps", type=_count(1), default=3)
+    parser.add_argument("--batch", type=_count(1), default=32)
     parser.add_argument("--fusion-mib", type=float, default=8.0)
     parser.add_argument("--trace", default=None, help="keep the trace files under this prefix")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     gossamer.init()
-    strategies = args.strategies.split(",")
-    prefix = args.trace or str(Path(tempfile.gettempdir()) / "bench_overlap")
-    timeline.start_timeline(prefix, merged=True)
-    walls: dict[str, list[float]] = {s: [] for s in strategies}
-    for _ in range(args.reps):
-        for s in strategies:
-            walls[s] += run(s, args)
-    files = timeline.stop_timeline()
+    strategies = args.strategies
+    # Without --trace the trace is only read here: it goes into a folder of this run's own
+    # (no clash with another run), removed at the end.
+    with tempfile.TemporaryDirectory(prefix="bench_overlap.") as scratch:
+        prefix = args.trace or str(Path(scratch) / "bench_overlap")
+        timeline.start_timeline(prefix, merged=True)
+        walls: dict[str, list[float]] = {s: [] for s in strategies}
+        for _ in range(args.reps):
+            for s in strategies:
+                walls[s] += run(s, args)
+        files = timeline.stop_timeline()
+        found = spans(files[0]) if gossamer.rank() == 0 else []
     if gossamer.rank() == 0:
-        found = spans(files[0])
         lines = [
             f"{gossamer.size()} ranks, MLP 5.26 M, batch {args.batch}, "
             f"{args.reps} x {args.steps} steps, buckets {args.fusion_mib} MiB",

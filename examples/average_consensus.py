@@ -164,13 +164,18 @@ def main() -> None:
     parser.add_argument(
         "--work-ms",
         type=_checked(float, lambda ms: ms >= 0, ">= 0"),
-        default=10.0,
+        default=None,  # None: not given, so that a --work-ms without --asynchronous shows
         help="with --asynchronous: mean duration of the simulated local work per step "
-        "(random, 0.5x to 1.5x, per rank); 0 lets the ranks race",
+        "(random, 0.5x to 1.5x, per rank; default 10); 0 lets the ranks race",
     )
     parser.add_argument("--plot", action="store_true", help="write a PNG of the error")
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the PNG")
     args = parser.parse_args()
+    if args.work_ms is not None and not args.asynchronous:
+        # The synchronous rounds simulate no local work: the value would be ignored.
+        parser.error(f"--work-ms {args.work_ms:g} needs --asynchronous")
+    if args.work_ms is None:
+        args.work_ms = 10.0
 
     gossamer.init()
     rank, size = gossamer.rank(), gossamer.size()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import random
 
 import numpy as np
@@ -259,7 +260,7 @@ def main() -> None:
     model = model.with_bagua([optimizer], algorithm)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
 
-    accuracy = 0.0
+    accuracy, loss = 0.0, 0.0
     for epoch in range(1, args.epochs + 1):
         if args.algorithm == "async":
             model.bagua_algorithm.resume(model)
@@ -268,8 +269,19 @@ def main() -> None:
             train(args, model, train_loader, optimizer, epoch, device)
         if args.algorithm == "async":
             model.bagua_algorithm.abort(model)
-        _, accuracy = test(model, test_loader, device)
+        loss, accuracy = test(model, test_loader, device)
         scheduler.step()
+    if args.algorithm == "qadam" and not math.isfinite(loss):
+        # Bagua's QAdam freezes Adam's second moment after the warm-up: an entry still
+        # zero then (a unit not yet active) divides its update by eps, and the run diverges.
+        logging.warning(
+            "QAdam diverged on rank %d (test loss %s): %d warm-up steps of %d are too few to "
+            "estimate the second moment it then freezes; give --qadam-warmup-steps more",
+            bagua.get_rank(),
+            loss,
+            args.qadam_warmup_steps,
+            steps,
+        )
 
     # Every rank's final accuracy, gathered on all (decentralized models differ slightly).
     mine = torch.tensor([accuracy], device=device)

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
+import sys
 import time
 from pathlib import Path
 
@@ -214,6 +216,8 @@ def _checked(kind, test, rule: str):
 
 
 _POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+# A step size or a weight of inf or nan (or a negative one) only diverges.
+_POSITIVE_REAL = _checked(float, lambda x: math.isfinite(x) and x > 0, "finite and > 0")
 
 
 def main() -> None:
@@ -226,9 +230,13 @@ def main() -> None:
     parser.add_argument("--samples", type=_POSITIVE, default=100, help="data points per rank")
     parser.add_argument("--dim", type=_POSITIVE, default=10)
     parser.add_argument(
-        "--lr", type=float, default=None, help="default: 0.2 (least squares), 2.0 (logistic)"
+        "--lr",
+        type=_POSITIVE_REAL,
+        default=None,
+        help="step size; default: 0.2 (least squares), 2.0 (logistic)",
     )
-    parser.add_argument("--rho", type=float, default=0.01, help="L2 weight (logistic)")
+    # > 0: without it the logistic loss of separable data has no minimizer to reach.
+    parser.add_argument("--rho", type=_POSITIVE_REAL, default=0.01, help="L2 weight (logistic)")
     parser.add_argument("--max-iters", type=_checked(int, lambda n: n >= 0, ">= 0"), default=200)
     parser.add_argument("--print-every", type=_POSITIVE, default=10)
     parser.add_argument("--seed", type=int, default=0)
@@ -241,6 +249,14 @@ def main() -> None:
     gossamer.init()
     rank, size = gossamer.rank(), gossamer.size()
     graph = TOPOLOGIES[args.topology](size)
+    if args.problem == "least_squares" and size * args.samples < args.dim and rank == 0:
+        # Allowed (one may want to see it), but x* is then one of many minimizers, and the
+        # normal equations are singular: the distances below measure little.
+        print(
+            f"warning: {size} ranks x {args.samples} samples = {size * args.samples} < "
+            f"--dim {args.dim}: least squares is underdetermined",
+            file=sys.stderr,
+        )
     problem = Problem(args.problem, args.samples, args.dim, args.rho, args.seed)
     optimum = problem.optimum()
     if rank == 0:

@@ -50,6 +50,7 @@ from tqdm import tqdm
 import gossamer
 from gossamer import compression, optim
 from gossamer import topology as topo
+from gossamer.communicators.powersgd import parse_powersgd
 from gossamer.data import load_digits
 from gossamer.models import SmallCNN
 
@@ -169,6 +170,25 @@ def _checked(kind, test, rule: str):
 _POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
 
 
+def check_compression(parser, spec: str, optimizer: str) -> None:
+    """Refuse a ``--compression`` the library would refuse, before any rank starts."""
+    try:
+        powersgd = parse_powersgd(spec)
+    except ValueError as err:
+        parser.error(f"--compression: {err}")
+    if powersgd is not None:  # torch's PowerSGD, a gradient hook, not a registered compressor
+        if optimizer != "gradient_allreduce":
+            parser.error(
+                f"--compression {spec} (torch's PowerSGD) is for --optimizer "
+                f"gradient_allreduce only; got --optimizer {optimizer}"
+            )
+        return
+    try:
+        compression.get_compressor(spec, argument="--compression")
+    except ValueError as err:  # it names the option, the value and the valid forms
+        parser.error(str(err))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="atc")
@@ -189,10 +209,19 @@ def main() -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the PNG")
     args = parser.parse_args()
+    if args.compression is not None:
+        check_compression(parser, args.compression, args.optimizer)
     if args.optimizer == "push_sum" and args.compression not in (None, "none"):
         parser.error(
             "--compression is not built for --optimizer push_sum (its puts must "
             "carry the mass exactly); use win_put, atc or awc"
+        )
+    if args.optimizer == "dcd" and args.topology != "exponential":
+        # DifferenceGossip keeps a replica per in-neighbour, exact only while that
+        # neighbour sends every step: a schedule that changes the peers would break them.
+        parser.error(
+            f"--topology {args.topology} is not built for --optimizer dcd (its replicas "
+            "need a static graph); use --topology exponential"
         )
 
     gossamer.init()
@@ -231,12 +260,15 @@ def main() -> None:
     # the ranks' models drift less apart (the consensus distance scales with the step).
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(base, args.epochs * steps_per_epoch)
     loss_fn = nn.CrossEntropyLoss()
+    # What travels, as the optimizer built it: dcd compresses (uint8) even when not asked to.
+    used = getattr(opt.communicator, "compressor", None) if args.optimizer == "dcd" else None
+    shown = used.name if used is not None else args.compression or "none"
     if rank == 0:
         print(
             f"digits: {len(train[1])} train / {len(test_labels)} test images; {size} ranks x "
             f"{steps_per_epoch} steps x batch {args.batch_size} per epoch; {args.optimizer} "
             f"over {'one peer of ' if args.topology == 'one_peer' else ''}{graph.name}; "
-            f"Adam lr {args.lr}; compression {args.compression or 'none'}"
+            f"Adam lr {args.lr}; compression {shown}"
         )
 
     history = {"loss": [], "accuracy": [], "consensus": []}
