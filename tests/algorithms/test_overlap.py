@@ -419,6 +419,33 @@ def test_timeline_shows_awc_waiting_for_its_combine_in_step(tmp_path):
         assert all(b1 <= w0 for b1, w0 in zip(backward, sorted(waits), strict=True))
 
 
+def _train_compiled(kind, compiled):
+    model = Net(gossamer.rank())
+    make = {"awc": optim.AdaptWithCombine, "atc": optim.AdaptThenCombine}[kind]
+    opt = make(_torch_optimizer("sgd", model), model)
+    # Dynamo traces the forward (the eager backend: no compiler needed); the hooks stay eager.
+    # torch does not guard compiled code on module hooks (skip_nnmodule_hook_guards): code
+    # compiled for an earlier Net of this worker would skip ATC's per-module pre-hooks.
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="eager") if compiled else model
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(run, *_batch(gossamer.rank(), step)).backward()
+        opt.step()
+    opt.synchronize()
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["awc", "atc"])
+def test_a_compiled_model_trains_as_the_eager_one(kind):
+    eager = run_distributed(_train_compiled, 2, args=(kind, False))
+    compiled = run_distributed(_train_compiled, 2, args=(kind, True))
+    for mine, reference in zip(compiled, eager, strict=True):
+        for p, q in zip(mine, reference, strict=True):
+            torch.testing.assert_close(p, q, **TOLERANCE)
+
+
 # ---------------------------------------------------------------- push-sum
 def _push_sum(overlap):
     """Push-sum with ranks taking whole steps in turn, so each collect is deterministic."""

@@ -236,7 +236,9 @@ class _ForwardPasses(_Passes):
         super().__init__(*args, **kwargs)
         # Before the core's own pre-hook, which asks _is_round() whether to start the round.
         self._hooks.append(
-            self.models[0].register_forward_pre_hook(self._count_forward, prepend=True)
+            self.models[0].register_forward_pre_hook(
+                torch.compiler.disable(self._count_forward), prepend=True
+            )
         )
 
     def _count_forward(self, module: nn.Module, inputs: Any) -> None:

@@ -52,7 +52,10 @@ class AdaptWithCombine(DecentralizedOptimizer):
         super().__init__(optimizer, model, **kwargs)
         self._started = False
         self._forwarded: set[int] = set()  # ids of the models run since the round started
-        self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in self.models]
+        # Eager: under torch.compile, Dynamo would trace the hook into the round's Python
+        # (the topology, the communication thread) and fail.
+        hook = torch.compiler.disable(self._before_forward)
+        self._hooks = [m.register_forward_pre_hook(hook) for m in self.models]
 
     def _before_forward(self, module, inputs) -> None:
         # The exchange only reads x_t (the parameters live in the buckets), so it runs while
@@ -127,10 +130,12 @@ class AdaptThenCombine(BucketwiseOptimizer):
 
     What changes with ``overlap=True``: the gradients are consumed during ``backward()``, so
     code that changes them between ``backward()`` and ``step()`` (gradient clipping,
-    ``GradScaler``'s unscaling and skipped steps) has no effect on communication steps; a
+    ``GradScaler``'s unscaling) has no effect on communication steps; a
     second backward pass before ``step()`` (gradient accumulation) must run inside
     :meth:`no_sync`, except the last, or it raises ``RuntimeError``. Use ``overlap=False``
-    for those: the whole local step and every exchange then start in :meth:`step`. Steps that
+    for those: the whole local step and every exchange then start in :meth:`step` (but a
+    scaler's skipped step skips this rank's round: see ``docs/concepts.md``, *Mixed
+    precision*). Steps that
     do not communicate (``num_steps_per_communication > 1``) always step in :meth:`step`.
     Either way a parameter's combine lands in the forward pre-hook of the module that owns
     it: a forward that reads a parameter before its owner runs (a parent passing a child's
@@ -194,7 +199,9 @@ class AdaptThenCombine(BucketwiseOptimizer):
         self._index = {bucket: i for i, bucket in enumerate(self.buckets)}
         self._hooks += [
             module.register_forward_pre_hook(
-                functools.partial(self._before_forward, self._queued_up_to(indices))
+                torch.compiler.disable(
+                    functools.partial(self._before_forward, self._queued_up_to(indices))
+                )
             )
             for module, indices in module_buckets(self.models, self.buckets)
         ]

@@ -216,10 +216,10 @@ class BaguaDistributedDataParallel:
             previous.detach()
         self.bagua_algorithm = algorithm.reify(process_group)
         state().models[self.bagua_module_name] = self
+        # Eager under torch.compile: the hooks drive communication, not tensor math.
         self._framework_hooks = [
-            module.register_forward_pre_hook(self._count_step),
-            module.register_forward_pre_hook(self._maybe_reset),
-            module.register_forward_pre_hook(self._algorithm_forward_pre_hook),
+            module.register_forward_pre_hook(torch.compiler.disable(hook))
+            for hook in (self._count_step, self._maybe_reset, self._algorithm_forward_pre_hook)
         ]
         self._autograd_hooks: list[Any] = []
         self._optimizer_hooks: list[Any] = []
