@@ -5,7 +5,8 @@
 
 Every rank trains :class:`gossamer.models.SmallCNN` on its shard of the bundled digits with
 Adam over ``exponential_two(n)``; rank ``k`` sleeps ``delays_ms[k]`` after each step, a
-device that much slower. Each optimizer runs for ``--seconds`` of wall time:
+device that much slower (a shorter list repeats: ``delays_ms[k % len(delays_ms)]``). Each
+optimizer runs for ``--seconds`` of wall time:
 
 - ``awc`` (``AdaptWithCombine``, synchronous): every step waits for the neighbours' values
   of the same step, so every rank moves at the slowest one's pace. (To stop together the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -143,21 +145,61 @@ def _split(seed: int):
     return (images[train], labels[train]), (images[test], labels[test])
 
 
+def _checked(kind, test, rule: str):
+    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+_POSITIVE_FLOAT = _checked(float, lambda s: math.isfinite(s) and s > 0, "finite, > 0")
+
+
+def _delays(text: str) -> list[float]:
+    """An argparse ``type=`` for ``--delays-ms``: comma-separated finite values >= 0."""
+    try:
+        delays = [float(d) for d in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text!r}") from None
+    if not all(math.isfinite(d) and d >= 0 for d in delays):
+        raise argparse.ArgumentTypeError(f"each must be finite, >= 0; got {text}")
+    return delays
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--delays-ms", default="0,0,20,60", help="per rank, comma-separated")
-    parser.add_argument("--seconds", type=float, default=15.0, help="wall time per optimizer")
+    parser.add_argument(
+        "--delays-ms",
+        type=_delays,
+        default=[0.0, 0.0, 20.0, 60.0],
+        help="per rank, comma-separated; a list shorter than the ranks repeats (rank k sleeps "
+        "value k mod its length), a longer one is cut (default: 0,0,20,60)",
+    )
+    parser.add_argument(
+        "--seconds", type=_POSITIVE_FLOAT, default=15.0, help="wall time per optimizer"
+    )
     parser.add_argument("--optimizers", default="awc,win_put,push_sum")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--batch-size", type=_POSITIVE, default=16)
+    parser.add_argument("--lr", type=_POSITIVE_FLOAT, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/async_speed"))
     args = parser.parse_args()
-    args.delays_ms = [float(d) for d in args.delays_ms.split(",")]
     names = args.optimizers.split(",")
     unknown = sorted(set(names) - set(OPTIMIZERS))
-    if unknown or any(d < 0 for d in args.delays_ms) or args.seconds <= 0:
-        parser.error(f"bad --optimizers {unknown}, --delays-ms or --seconds")
+    if unknown:
+        parser.error(
+            f"argument --optimizers: unknown {', '.join(unknown)} (choose from "
+            f"{', '.join(OPTIMIZERS)}); got {args.optimizers}"
+        )
     torch.set_num_threads(1)
     gossamer.init()
     data = _split(args.seed)

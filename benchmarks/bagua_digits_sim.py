@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import math
 import statistics
 from pathlib import Path
 
@@ -54,10 +55,21 @@ def _passes(samplers, loaders, epoch: int, passes: int):
         yield from zip(*loaders, strict=True)
 
 
+def _positive_float(text: str) -> float:
+    """An argparse ``type=``: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be finite, > 0; got {text}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=1.0)
+    parser.add_argument("--lr", type=_positive_float, default=1.0)
     parser.add_argument("--passes", type=int, default=1, help="passes over the shard per epoch")
     args = parser.parse_args()
     if args.passes < 1:

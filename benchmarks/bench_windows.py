@@ -187,20 +187,46 @@ def main_scaling(args) -> None:
     (out / "bench_windows_scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
 
 
+def _checked(kind, test, rule: str):
+    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    parser.add_argument("--depth", type=int, default=4, help="operations in flight per rank")
+    parser.add_argument("--depth", type=_POSITIVE, default=4, help="operations in flight per rank")
     parser.add_argument("--out", default="results")
     parser.add_argument(
         "--scaling", action="store_true", help="long run of accumulates instead (see above)"
     )
     parser.add_argument("--calls", type=int, help="--scaling: calls per rank (default: preset)")
-    parser.add_argument("--blocks", type=int, default=10, help="--scaling: blocks reported")
-    parser.add_argument("--numel", type=int, default=1_000, help="--scaling: window elements")
+    parser.add_argument("--blocks", type=_POSITIVE, default=10, help="--scaling: blocks reported")
+    parser.add_argument("--numel", type=_POSITIVE, default=1_000, help="--scaling: window elements")
     args = parser.parse_args()
     if args.calls is not None and args.calls < max(args.blocks, 10):
-        parser.error(f"--calls must be at least 10 and at least --blocks ({args.blocks})")
+        parser.error(
+            f"argument --calls: must be at least 10 and at least --blocks ({args.blocks}); "
+            f"got {args.calls}"
+        )
+    if args.calls is None and SCALING_CALLS[args.preset] < args.blocks:
+        parser.error(
+            f"argument --blocks: must be <= the {SCALING_CALLS[args.preset]} calls of "
+            f"--preset {args.preset} (or give --calls); got {args.blocks}"
+        )
     gossamer.init()
     if gossamer.size() < 2:
         raise SystemExit("bench_windows needs at least 2 ranks: gossamer run -np 4 ...")

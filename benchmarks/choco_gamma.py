@@ -46,6 +46,24 @@ def simulate(spec: str, gamma: float, graph: topo.Topology, checks: list[int]) -
     return errors
 
 
+def _checked(kind, test, rule: str):
+    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -53,10 +71,24 @@ def main() -> None:
         nargs="*",
         default=["topk:0.01", "topk:0.1", "sign", "sign:bucket=64", "uint8"],
     )
-    parser.add_argument("--rounds", type=int, nargs="*", default=[400, 2000])
+    parser.add_argument(
+        "--rounds",
+        type=_POSITIVE,
+        nargs="+",
+        default=[400, 2000],
+        help="numbers of rounds after which to report the error (columns in ascending order)",
+    )
     parser.add_argument("--fixed", type=float, default=0.1, help="the fixed step compared")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
+    if len(set(args.rounds)) < len(args.rounds):
+        parser.error(f"argument --rounds: repeated values; got {' '.join(map(str, args.rounds))}")
+    args.rounds = sorted(args.rounds)  # simulate() reports in ascending order
+    for spec in args.compressors:
+        try:
+            compression.get_compressor(spec, argument="--compressors")
+        except ValueError as err:
+            parser.error(f"argument {err}")
     graph = topo.exponential_two(4)
     lines = [
         "| compressor | gamma | value | "

@@ -25,6 +25,10 @@ average of the ranks' models (one uncompressed allreduce after the run, not coun
   the CHOCO rows; ``choco <c>``: the same with CHOCO-gossip compressed by ``c`` (``uint8``;
   ``--choco-compressors`` picks others), at CHOCO's default consensus step (or
   ``--choco-gamma``);
+- ``gossip ATC``: uncompressed adapt-then-combine (step, then average) over the same graph,
+  the baseline of the DCD row;
+- ``dcd uint8 (ATC)``: the same with ``communication="difference_gossip"`` and ``uint8``
+  compression (DCD-PSGD, Bagua's low-precision decentralized algorithm);
 - ``QAT ...``: the model prepared by ``compression.quantize_model`` (torch's 8-bit
   quantization-aware training) with allreduce, and with 8-bit CHOCO (8-bit training).
 

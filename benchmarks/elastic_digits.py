@@ -1,11 +1,11 @@
 """Killing 1 of 4 ranks midway vs an uninterrupted 3-rank run, on digits (issue 17's target).
 
-    python -m benchmarks.elastic_digits                 # seeds 0 and 1 (~4 jobs)
+    python -m benchmarks.elastic_digits                 # seeds 0 and 1 (6 jobs)
     python -m benchmarks.elastic_digits --seeds 0 1 2 --steps 145
     python -m benchmarks.elastic_digits --optimizer push_sum   # elastic windows
 
-Run from the repository root. For every seed it runs ``examples/elastic_digits.py`` twice
-through the launcher:
+Run from the repository root. For every seed it runs ``examples/elastic_digits.py`` three
+times through the launcher:
 
 - ``gossamer run -np 4 --elastic examples/elastic_digits.py --seed S`` (rank 2 SIGKILLs
   itself at 40 % of the run; the 3 survivors go on with ``elastic=True`` gossip);
@@ -16,9 +16,10 @@ through the launcher:
 Every run takes the same number of steps (``--steps``, default 145: 5 epochs of the
 3-rank run); after the kill the survivors re-shard the data over the live ranks.
 
-and reports the final test accuracy (mean over the ranks that finished), the difference,
-the launcher's exit code, and for the killed run the time from the kill to each survivor's
-next completed step among the survivors (the stall; the example's own measurement). Writes
+For every seed it reports the final test accuracy of each run (mean over the ranks that
+finished), the difference between the killed run and the 3-rank reference, the launchers'
+exit codes, and for the killed run the time from the kill to each survivor's next
+completed step among the survivors (the stall; the example's own measurement). Writes
 ``results/elastic_digits/{results.json,table.md}``.
 """
 
@@ -95,10 +96,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _steps(text: str) -> int:
+    """An argparse ``type=`` for ``--steps``: enough for the example to kill at 40 %.
+
+    Its victim completes 2 steps before it is killed at step ``round(0.4 * steps)``, and
+    dies before the last step: 4 steps at least.
+    """
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if steps < 4:
+        raise argparse.ArgumentTypeError(
+            f"must be >= 4 (the victim is killed at 40 %, after 2 steps); got {text}"
+        )
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--steps", type=int, default=145, help="total steps of every run")
+    parser.add_argument("--steps", type=_steps, default=145, help="total steps of every run")
     parser.add_argument("--out", type=Path, default=Path("results/elastic_digits"))
     parser.add_argument(
         "--optimizer", choices=["atc", "push_sum", "win_put"], default="atc", help="elastic"

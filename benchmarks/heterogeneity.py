@@ -74,7 +74,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gossamer
-from gossamer import data, optim
+from gossamer import compression, data, optim
 from gossamer import topology as topo
 from gossamer.models import MLP
 
@@ -686,7 +686,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "slow_every",
     ):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    try:  # before any rank starts (CompNGC would refuse it on every rank)
+        spec = compression.get_compressor(
+            args.compngc_compression, argument="--compngc-compression"
+        )
+    except ValueError as err:
+        parser.error(f"argument {err}")
+    if spec.name == "none":
+        parser.error(
+            "argument --compngc-compression: CompNGC needs a compression other than 'none'; "
+            f"got {args.compngc_compression}"
+        )
     if "2-classes" in args.partitions and 2 * args.ranks < 10 and not args.worker:
         parser.error(
             f"--partitions 2-classes needs --ranks >= 5 (2 classes per rank must cover the "

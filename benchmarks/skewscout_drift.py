@@ -82,19 +82,56 @@ def run(graph: str, period: int, args: argparse.Namespace) -> dict:
     return {"before": before, "after": after, "local": local, "gap": np.mean(gaps), "final": final}
 
 
+def _checked(kind, test, rule: str):
+    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
+_COUNT = _checked(int, lambda n: n >= 0, ">= 0")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--periods", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--periods", type=_POSITIVE, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--graphs", nargs="+", default=["ring", "exp2"], choices=["ring", "exp2"])
     parser.add_argument("--partition", default="iid", choices=PARTITIONS)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--ranks",
+        type=_checked(int, lambda n: n >= 2, ">= 2 (the drift is between two ranks)"),
+        default=8,
+    )
+    parser.add_argument("--steps", type=_POSITIVE, default=250)
+    parser.add_argument("--batch", type=_POSITIVE, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--after", type=int, default=100, help="rounds counted after this step")
-    parser.add_argument("--gap-from", type=int, default=150, help="accuracy gap from this step")
+    parser.add_argument(
+        "--after", type=_COUNT, default=100, help="rounds counted after this step (< --steps)"
+    )
+    parser.add_argument(
+        "--gap-from", type=_COUNT, default=150, help="accuracy gap from this step (<= --steps)"
+    )
     args = parser.parse_args(argv)
+    if args.after >= args.steps:
+        parser.error(f"argument --after: must be < --steps {args.steps}; got {args.after}")
+    if args.gap_from > args.steps:
+        parser.error(f"argument --gap-from: must be <= --steps {args.steps}; got {args.gap_from}")
+    for period in args.periods:
+        if args.steps // period == args.after // period:  # no multiple of it in (after, steps]
+            parser.error(
+                f"argument --periods: {period} has no round between --after {args.after} and "
+                f"--steps {args.steps}; got {' '.join(map(str, args.periods))}"
+            )
     torch.set_num_threads(1)
     print(
         "| graph | period | before a round | after a round | local steps | "

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import signal
 import statistics
@@ -46,7 +47,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from train_digits import accuracy, load_digits, make_model, split
+from train_digits import _POSITIVE, _checked, accuracy, load_digits, make_model, split
 
 import gossamer
 from gossamer import context, optim
@@ -61,6 +62,38 @@ def spawn(args: argparse.Namespace) -> int:
     return subprocess.call([*launcher, "--elastic", *sys.argv])
 
 
+def total_steps(args: argparse.Namespace, size: int, n_train: int) -> int:
+    """The run's steps: ``--steps``, else ``--epochs`` of ``n_train`` images over ``size``."""
+    if args.steps is not None:
+        return args.steps
+    return args.epochs * (n_train // (size * args.batch_size))
+
+
+def check_steps(parser: argparse.ArgumentParser, args: argparse.Namespace, size: int) -> None:
+    """Refuse a run too short to train, or, with a kill, to measure the victim's death.
+
+    The report compares the steps after the kill with the median step before it (two steps
+    completed at least), and the victim must die before the last step or nothing happens.
+    """
+    n_train = len(split(*load_digits(), 0.2, args.seed)[0][1])
+    total = total_steps(args, size, n_train)
+    source = f"--steps {args.steps}" if args.steps is not None else f"--epochs {args.epochs}"
+    if total < 1:
+        parser.error(
+            f"argument --batch-size: must be <= {n_train // size} ({n_train} training images "
+            f"over {size} ranks); got {args.batch_size}"
+        )
+    if args.no_kill:
+        return
+    if not 2 <= round(args.kill_at * total) <= total - 1:
+        fits = next(n for n in itertools.count(1) if 2 <= round(args.kill_at * n) <= n - 1)
+        parser.error(
+            f"{source} gives {total} steps, too few for --kill-at {args.kill_at}: the victim "
+            f"must complete 2 steps before it is killed and die before the last step; "
+            f"use --steps >= {fits}"
+        )
+
+
 def train(args: argparse.Namespace) -> None:
     """One rank: train, record accuracy over time, die if it is the victim."""
     torch.set_num_threads(1)
@@ -69,7 +102,7 @@ def train(args: argparse.Namespace) -> None:
     store = context.runtime().store
     train_set, (test_images, test_labels) = split(*load_digits(), 0.2, args.seed)
     images, labels = train_set[0][rank::size], train_set[1][rank::size]
-    total = args.steps or args.epochs * (len(train_set[1]) // (size * args.batch_size))
+    total = total_steps(args, size, len(train_set[1]))
     kill_step = round(args.kill_at * total)
 
     model = make_model(args.seed)  # the same seed: one starting point on every rank
@@ -181,13 +214,17 @@ def plot(histories: list[dict], start: float, killed_at: float, path: Path) -> N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4, help="without a launcher")
-    parser.add_argument("--victim", type=int, default=2, help="rank to kill")
+    parser.add_argument("--victim", type=int, default=2, help="rank to kill (not with --no-kill)")
     parser.add_argument("--kill-at", type=float, default=0.4, help="fraction of the run")
-    parser.add_argument("--epochs", type=int, default=5, help="of the starting world size")
-    parser.add_argument("--steps", type=int, help="total steps (instead of --epochs)")
-    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--eval-every", type=int, default=5, help="steps between accuracies")
+    parser.add_argument("--epochs", type=_POSITIVE, default=5, help="of the starting world size")
+    parser.add_argument("--steps", type=_POSITIVE, help="total steps (instead of --epochs)")
+    parser.add_argument("--batch-size", type=_POSITIVE, default=16, help="per rank")
+    parser.add_argument(
+        "--lr",
+        type=_checked(float, lambda r: math.isfinite(r) and r > 0, "finite, > 0"),
+        default=3e-3,
+    )
+    parser.add_argument("--eval-every", type=_POSITIVE, default=5, help="steps between accuracies")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the PNG")
     parser.add_argument("--no-kill", action="store_true", help="nobody dies (a reference)")
@@ -197,10 +234,11 @@ def main() -> None:
     args = parser.parse_args()
     launched = "RANK" in os.environ
     size = int(os.environ["WORLD_SIZE"]) if launched else args.world_size
-    if not 0 <= args.victim < size:
+    if not args.no_kill and not 0 <= args.victim < size:
         parser.error(f"--victim must be in [0, {size}); got {args.victim}")
     if not 0 < args.kill_at < 1:
         parser.error(f"--kill-at must be in (0, 1); got {args.kill_at}")
+    check_steps(parser, args, size)
     if launched:
         train(args)
     else:

@@ -95,6 +95,10 @@ CASES = [
     ("examples/decentralized_optimization.py", ["--lr", "inf"], ["--lr", "inf"]),
     ("examples/decentralized_optimization.py", ["--rho", "-1"], ["--rho", "-1"]),
     ("examples/decentralized_optimization.py", ["--rho", "nan"], ["--rho", "nan"]),
+    ("benchmarks/bagua_overhead.py", ["--flatten", "bogus"], ["--flatten", "bogus"]),
+    ("benchmarks/bagua_overhead.py", ["--algorithms", "foo"], ["--algorithms", "foo"]),
+    ("benchmarks/bagua_overhead.py", ["--steps", "0"], ["--steps", "0"]),
+    ("benchmarks/bagua_overhead.py", ["--reps", "0"], ["--reps", "0"]),
     ("benchmarks/bench_overlap.py", ["--steps", "0"], ["--steps", "0"]),
     ("benchmarks/bench_overlap.py", ["--reps", "0"], ["--reps", "0"]),
     ("benchmarks/bench_overlap.py", ["--warmup", "-1"], ["--warmup", "-1"]),
@@ -124,6 +128,52 @@ CASES = [
     ("examples/bagua_digits.py", ["--test-batch-size", "0"], ["--test-batch-size", "0"]),
     ("examples/bagua_digits.py", ["--passes", "0"], ["--passes", "0"]),
     ("examples/bagua_digits.py", ["--epochs", "abc"], ["--epochs", "abc"]),
+    # Columns used to be in the given order, values in ascending order.
+    ("benchmarks/choco_gamma.py", ["--rounds", "0", "5"], ["--rounds", "0"]),
+    ("benchmarks/choco_gamma.py", ["--rounds", "-5"], ["--rounds", "-5"]),
+    ("benchmarks/choco_gamma.py", ["--rounds", "5", "5"], ["--rounds", "5 5"]),
+    ("benchmarks/choco_gamma.py", ["--rounds"], ["--rounds"]),
+    ("benchmarks/choco_gamma.py", ["--compressors", "bogus"], ["--compressors", "bogus"]),
+    # These used to fail on the ranks (StatisticsError, ZeroDivisionError, a 60 s wait).
+    ("examples/elastic_digits.py", ["--steps", "2"], ["--steps 2", "--steps >= 4"]),
+    ("examples/elastic_digits.py", ["--eval-every", "0"], ["--eval-every", "0"]),
+    ("examples/elastic_digits.py", ["--steps", "-3"], ["--steps", "-3"]),
+    ("examples/elastic_digits.py", ["--steps", "0"], ["--steps", "0"]),
+    ("examples/elastic_digits.py", ["--epochs", "0"], ["--epochs", "0"]),
+    ("examples/elastic_digits.py", ["--lr", "-1"], ["--lr", "-1"]),
+    ("examples/elastic_digits.py", ["--batch-size", "0"], ["--batch-size", "0"]),
+    ("examples/elastic_digits.py", ["--batch-size", "500"], ["--batch-size", "500"]),
+    # --victim is only checked when somebody is killed.
+    (
+        "examples/elastic_digits.py",
+        ["--world-size", "2", "--no-kill", "--steps", "0"],
+        ["--steps", "0"],
+    ),
+    ("examples/join_digits.py", ["--eval-every", "0"], ["--eval-every", "0"]),
+    ("examples/join_digits.py", ["--steps", "0"], ["--steps", "0"]),
+    ("benchmarks/async_speed.py", ["--seconds", "0"], ["--seconds", "0"]),
+    ("benchmarks/async_speed.py", ["--delays-ms", "0,-5"], ["--delays-ms", "0,-5"]),
+    ("benchmarks/async_speed.py", ["--delays-ms", "a,b"], ["--delays-ms", "a,b"]),
+    ("benchmarks/async_speed.py", ["--batch-size", "0"], ["--batch-size", "0"]),
+    ("benchmarks/async_speed.py", ["--optimizers", "bogus"], ["--optimizers", "bogus"]),
+    ("benchmarks/skewscout_drift.py", ["--periods", "-2"], ["--periods", "-2"]),
+    ("benchmarks/skewscout_drift.py", ["--periods", "0"], ["--periods", "0"]),
+    ("benchmarks/skewscout_drift.py", ["--ranks", "0"], ["--ranks", "0"]),
+    ("benchmarks/skewscout_drift.py", ["--ranks", "1"], ["--ranks", "1"]),
+    ("benchmarks/skewscout_drift.py", ["--steps", "0"], ["--steps", "0"]),
+    ("benchmarks/skewscout_drift.py", ["--after", "50", "--steps", "20"], ["--after", "50"]),
+    ("benchmarks/bench_windows.py", ["--depth", "0"], ["--depth", "0"]),
+    ("benchmarks/bench_windows.py", ["--scaling", "--blocks", "0"], ["--blocks", "0"]),
+    ("benchmarks/bench_windows.py", ["--scaling", "--numel", "0"], ["--numel", "0"]),
+    ("benchmarks/elastic_digits.py", ["--steps", "2"], ["--steps", "2"]),
+    ("benchmarks/bagua_digits_sim.py", ["--lr", "0"], ["--lr", "0"]),
+    ("benchmarks/bagua_digits_sim.py", ["--lr", "-1"], ["--lr", "-1"]),
+    (
+        "benchmarks/heterogeneity.py",
+        ["--compngc-compression", "bogus"],
+        ["--compngc-compression", "bogus"],
+    ),
+    ("benchmarks/heterogeneity.py", ["--ranks", "0"], ["--ranks", "0"]),
 ]
 
 
@@ -345,3 +395,15 @@ def test_train_digits_accuracy_leaves_a_qat_model_unchanged():
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed
     assert last.observer_enabled[0] == 0
+
+
+def test_choco_gamma_puts_each_value_under_its_rounds(tmp_path):
+    """Rounds given out of order: the columns follow the values' (ascending) order."""
+    argv = ["--rounds", "20", "5", "--compressors", "sign", "--out", str(tmp_path)]
+    done = _alone("benchmarks/choco_gamma.py", argv, tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    header = (tmp_path / "choco_gamma.md").read_text().splitlines()[0]
+    assert header.index("after 5 rounds") < header.index("after 20 rounds")
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| `sign` | fixed")]
+    first, later = (float(v) for v in rows[-1].strip("| ").split(" | ")[3:5])
+    assert later < first  # the error falls with the rounds
