@@ -143,12 +143,12 @@ def bytes_sent(op: str | None = None) -> int:
     Args:
         op (str, optional): only this operation's (a key of :func:`bytes_sent_by_op`).
 
+    Raises:
+        TypeError: ``op`` is not a str.
+
     Example:
         >>> bytes_sent("neighbor_allreduce")  # doctest: +SKIP
         8352
-
-    Raises:
-        TypeError: ``op`` is not a str.
     """
     if op is not None and not isinstance(op, str):
         raise TypeError(f"op must be a str or None; got {op!r}")
