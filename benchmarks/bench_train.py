@@ -4,7 +4,8 @@
 
 BlueFog's method: for each model and strategy, a few warm-up batches, then timed batches
 (zero_grad, forward, cross-entropy, backward, step) on random data; samples/s summed over
-ranks, with the spread of the per-repetition rates (mean +- 1.96 std). Strategies: torch
+ranks, with the spread of the per-repetition rates (mean +- 1.96 std; none with one
+repetition, as in ``--preset smoke``). Strategies: torch
 DDP (gloo), gossamer gradient allreduce, adapt-with-combine and adapt-then-combine over the
 static exponential-two graph and the dynamic one-peer schedule, and the window (win-put)
 optimizer; gossamer strategies with tensor fusion on and off.
@@ -56,7 +57,7 @@ def _wrap(strategy: str, model: nn.Module, fusion: bool):
     return model, cls(sgd, model, **extra)
 
 
-def run(model_name: str, strategy: str, fusion: bool, cfg: dict) -> tuple[float, float]:
+def run(model_name: str, strategy: str, fusion: bool, cfg: dict) -> tuple[float, float | None]:
     build, shape = MODELS[model_name]
     torch.manual_seed(0)
     net, opt = _wrap(strategy, build(), fusion)
@@ -82,8 +83,13 @@ def run(model_name: str, strategy: str, fusion: bool, cfg: dict) -> tuple[float,
         gossamer.barrier()
         opt.free()
     totals = gossamer.allreduce(torch.tensor(rates, dtype=torch.float64), average=False)
-    spread = 1.96 * statistics.pstdev(totals.tolist()) if len(rates) > 1 else 0.0
+    # One repetition has no spread to show (None: not "+- 0.0").
+    spread = 1.96 * statistics.pstdev(totals.tolist()) if len(rates) > 1 else None
     return float(totals.mean()), spread
+
+
+def _spread(spread: float | None) -> str:
+    return "" if spread is None else f" +- {spread:.1f}"
 
 
 STRATEGIES = [
@@ -129,7 +135,7 @@ def main() -> None:
         ]
         lines += [
             f"| {r['model']} | {r['strategy']} | {'on' if r['fusion'] else 'off'} | "
-            f"{r['samples_per_s']:.1f} +- {r['spread']:.1f} | {r['vs_ddp']:.2f} |"
+            f"{r['samples_per_s']:.1f}{_spread(r['spread'])} | {r['vs_ddp']:.2f} |"
             for r in rows
         ]
         text = "\n".join(lines)
