@@ -30,6 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
+import argtypes  # this folder: the script runs as a file
 import torch
 from torch import nn
 
@@ -145,23 +146,7 @@ def _split(seed: int):
     return (images[train], labels[train]), (images[test], labels[test])
 
 
-def _checked(kind, test, rule: str):
-    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if not test(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
-        return value
-
-    return parse
-
-
-_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
-_POSITIVE_FLOAT = _checked(float, lambda s: math.isfinite(s) and s > 0, "finite, > 0")
+_POSITIVE_FLOAT = argtypes.checked(float, lambda s: math.isfinite(s) and s > 0, "finite, > 0")
 
 
 def _delays(text: str) -> list[float]:
@@ -188,7 +173,7 @@ def main() -> None:
         "--seconds", type=_POSITIVE_FLOAT, default=15.0, help="wall time per optimizer"
     )
     parser.add_argument("--optimizers", default="awc,win_put,push_sum")
-    parser.add_argument("--batch-size", type=_POSITIVE, default=16)
+    parser.add_argument("--batch-size", type=argtypes.POSITIVE, default=16)
     parser.add_argument("--lr", type=_POSITIVE_FLOAT, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/async_speed"))

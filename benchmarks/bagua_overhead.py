@@ -34,6 +34,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import argtypes  # this folder: the script runs as a file
 import torch
 from torch import nn
 
@@ -147,21 +148,6 @@ def _names(allowed: tuple[str, ...]):
     return parse
 
 
-def _count(least: int):
-    """An argparse ``type=``: an int >= ``least``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be >= {least}; got {text}")
-        return value
-
-    return parse
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithms", type=_names(ALGORITHMS), default=",".join(ALGORITHMS))
@@ -172,10 +158,10 @@ def main() -> None:
         help="do_flatten False (copy), True",
     )
     # Medians over the timed steps and reps: at least one of each.
-    parser.add_argument("--steps", type=_count(1), default=20)
-    parser.add_argument("--warmup", type=_count(0), default=3)
-    parser.add_argument("--reps", type=_count(1), default=3)
-    parser.add_argument("--batch", type=_count(1), default=32)
+    parser.add_argument("--steps", type=argtypes.at_least(1), default=20)
+    parser.add_argument("--warmup", type=argtypes.at_least(0), default=3)
+    parser.add_argument("--reps", type=argtypes.at_least(1), default=3)
+    parser.add_argument("--batch", type=argtypes.at_least(1), default=32)
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     bagua.init_process_group()

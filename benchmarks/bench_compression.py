@@ -24,6 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
+import argtypes  # this folder: the script runs as a file
 import torch
 
 from gossamer.compression import get_compressor
@@ -117,29 +118,13 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _checked(kind, test, rule: str):
-    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if not test(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
-        return value
-
-    return parse
-
-
-_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    parser.add_argument("--numel", type=_POSITIVE, help="elements (overrides the preset's)")
-    parser.add_argument("--reps", type=_POSITIVE, help="repetitions (overrides the preset's)")
+    parser.add_argument("--numel", type=argtypes.POSITIVE, help="elements (overrides the preset's)")
+    parser.add_argument(
+        "--reps", type=argtypes.POSITIVE, help="repetitions (overrides the preset's)"
+    )
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--stat", choices=["median", "min"], default="median")
     parser.add_argument("--specs", nargs="+", default=SPECS, help="compressor specs")

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import argtypes  # this folder: the script runs as a file
 import torch
 from torch import nn
 
@@ -105,21 +106,6 @@ def per_step(found: list[tuple], strategy: str) -> dict[str, list[float]]:
     return out
 
 
-def _count(least: int):
-    """An argparse ``type=``: an int >= ``least``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be >= {least}; got {text}")
-        return value
-
-    return parse
-
-
 def _strategies(text: str) -> list[str]:
     """An argparse ``type=``: comma-separated names from ``STRATEGIES``."""
     names = text.split(",")
@@ -141,10 +127,10 @@ def main() -> None:
         help=f"comma-separated, from {','.join(STRATEGIES)} (default: all)",
     )
     # Medians over the timed steps and reps: at least one of each.
-    parser.add_argument("--steps", type=_count(1), default=20)
-    parser.add_argument("--warmup", type=_count(0), default=3)
-    parser.add_argument("--reps", type=_count(1), default=3)
-    parser.add_argument("--batch", type=_count(1), default=32)
+    parser.add_argument("--steps", type=argtypes.at_least(1), default=20)
+    parser.add_argument("--warmup", type=argtypes.at_least(0), default=3)
+    parser.add_argument("--reps", type=argtypes.at_least(1), default=3)
+    parser.add_argument("--batch", type=argtypes.at_least(1), default=32)
     parser.add_argument("--fusion-mib", type=float, default=8.0)
     parser.add_argument("--trace", default=None, help="keep the trace files under this prefix")
     parser.add_argument("--out", default="results")

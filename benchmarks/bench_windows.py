@@ -25,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+import argtypes  # this folder: the script runs as a file
 import torch
 import torch.distributed as dist
 
@@ -187,35 +188,23 @@ def main_scaling(args) -> None:
     (out / "bench_windows_scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
 
 
-def _checked(kind, test, rule: str):
-    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if not test(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
-        return value
-
-    return parse
-
-
-_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    parser.add_argument("--depth", type=_POSITIVE, default=4, help="operations in flight per rank")
+    parser.add_argument(
+        "--depth", type=argtypes.POSITIVE, default=4, help="operations in flight per rank"
+    )
     parser.add_argument("--out", default="results")
     parser.add_argument(
         "--scaling", action="store_true", help="long run of accumulates instead (see above)"
     )
     parser.add_argument("--calls", type=int, help="--scaling: calls per rank (default: preset)")
-    parser.add_argument("--blocks", type=_POSITIVE, default=10, help="--scaling: blocks reported")
-    parser.add_argument("--numel", type=_POSITIVE, default=1_000, help="--scaling: window elements")
+    parser.add_argument(
+        "--blocks", type=argtypes.POSITIVE, default=10, help="--scaling: blocks reported"
+    )
+    parser.add_argument(
+        "--numel", type=argtypes.POSITIVE, default=1_000, help="--scaling: window elements"
+    )
     args = parser.parse_args()
     if args.calls is not None and args.calls < max(args.blocks, 10):
         parser.error(

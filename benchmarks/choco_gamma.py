@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import argtypes  # this folder: the script runs as a file
 import torch
 
 from gossamer import communicators, compression
@@ -46,24 +47,6 @@ def simulate(spec: str, gamma: float, graph: topo.Topology, checks: list[int]) -
     return errors
 
 
-def _checked(kind, test, rule: str):
-    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if not test(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
-        return value
-
-    return parse
-
-
-_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -73,7 +56,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--rounds",
-        type=_POSITIVE,
+        type=argtypes.POSITIVE,
         nargs="+",
         default=[400, 2000],
         help="numbers of rounds after which to report the error (columns in ascending order)",

@@ -53,6 +53,9 @@ from gossamer import topology as topo
 from gossamer.communicators.powersgd import parse_powersgd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+# Also when imported as benchmarks.compression_accuracy (the tests).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import argtypes
 from train_digits import accuracy, load_digits, make_model, split
 
 COMPRESSORS = (
@@ -224,23 +227,7 @@ def seeds_table(results: list[dict], steps: int, size: int) -> str:
     return "\n".join(lines)
 
 
-def _checked(kind, test, rule: str):
-    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if not test(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
-        return value
-
-    return parse
-
-
-_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
-_STEP = _checked(float, lambda g: 0 < g <= 1, "in (0, 1]")
+_STEP = argtypes.checked(float, lambda g: 0 < g <= 1, "in (0, 1]")
 
 
 def _gamma(text: str) -> float | str:
@@ -264,8 +251,10 @@ def _check_compressor(spec: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=_POSITIVE, default=300, help="training steps per run")
-    parser.add_argument("--batch-size", type=_POSITIVE, default=16, help="per rank")
+    parser.add_argument(
+        "--steps", type=argtypes.POSITIVE, default=300, help="training steps per run"
+    )
+    parser.add_argument("--batch-size", type=argtypes.POSITIVE, default=16, help="per rank")
     parser.add_argument(
         "--lr",
         type=float,
@@ -282,7 +271,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--warmup",
-        type=_checked(int, lambda n: n >= 0, ">= 0"),
+        type=argtypes.checked(int, lambda n: n >= 0, ">= 0"),
         default=0,
         help="uncompressed steps before the compressor's",
     )

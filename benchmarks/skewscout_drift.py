@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from benchmarks import argtypes
 from benchmarks.heterogeneity import PARTITIONS, Batches, _accuracy, _model, _partition, _split
 from gossamer import topology as topo
 
@@ -82,38 +83,22 @@ def run(graph: str, period: int, args: argparse.Namespace) -> dict:
     return {"before": before, "after": after, "local": local, "gap": np.mean(gaps), "final": final}
 
 
-def _checked(kind, test, rule: str):
-    """An argparse ``type=``: ``kind(text)``, refused unless ``test(value)`` ("must be rule")."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if not test(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
-        return value
-
-    return parse
-
-
-_POSITIVE = _checked(int, lambda n: n >= 1, ">= 1")
-_COUNT = _checked(int, lambda n: n >= 0, ">= 0")
+_COUNT = argtypes.checked(int, lambda n: n >= 0, ">= 0")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--periods", type=_POSITIVE, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--periods", type=argtypes.POSITIVE, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--graphs", nargs="+", default=["ring", "exp2"], choices=["ring", "exp2"])
     parser.add_argument("--partition", default="iid", choices=PARTITIONS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--ranks",
-        type=_checked(int, lambda n: n >= 2, ">= 2 (the drift is between two ranks)"),
+        type=argtypes.checked(int, lambda n: n >= 2, ">= 2 (the drift is between two ranks)"),
         default=8,
     )
-    parser.add_argument("--steps", type=_POSITIVE, default=250)
-    parser.add_argument("--batch", type=_POSITIVE, default=16)
+    parser.add_argument("--steps", type=argtypes.POSITIVE, default=250)
+    parser.add_argument("--batch", type=argtypes.POSITIVE, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument(
         "--after", type=_COUNT, default=100, help="rounds counted after this step (< --steps)"
