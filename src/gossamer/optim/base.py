@@ -83,6 +83,13 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     #: reads them without a copy and writes its result into them in place
     params_in_buckets = False
 
+    #: ``torch.amp.GradScaler`` hands the step its scale and whether it found an inf
+    #: (``grad_scale``, ``found_inf``) instead of skipping ``step()``: a rank that skipped
+    #: its step would skip its round too, and pair its rounds with its peers' next ones
+    _step_supports_amp_scaling = True
+    _in_step = False  # a step() is running (a subclass's step calls its base's)
+    _skip_update = False  # the loss scaler found an inf: communicate, but do not update
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -418,6 +425,19 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                     result = handle.wait()
                     bucket.unpack(result if finish is None else finish(result), lambda p: p.data)
 
+    def _take_loss_scale(self) -> None:
+        """Follow a loss scaler's request (see :func:`take_loss_scale`), once per step."""
+        if getattr(self, "found_inf", None) is not None:
+            self._check_loss_scaler()
+        self._skip_update = take_loss_scale(self, self.params)
+
+    def _check_loss_scaler(self) -> None:
+        """Raise if this optimizer cannot follow a loss scaler (subclasses refine)."""
+
+    def _update(self, closure=None):
+        """The wrapped optimizer's step, unless the loss scaler found an inf."""
+        return None if self._skip_update else self.optimizer.step(closure)
+
     def _warn_once(self, message: str) -> None:
         if not self._warned:
             self._warned = True
@@ -440,6 +460,29 @@ def check_torch_optimizer(optimizer: object) -> None:
         )
 
 
+def take_loss_scale(optimizer: object, params: Sequence[torch.Tensor]) -> bool:
+    r"""Unscale ``params``' gradients as a loss scaler asks; whether to skip the update.
+
+    ``torch.amp.GradScaler.step(opt)``, for an ``opt`` that declares
+    ``_step_supports_amp_scaling``, sets ``opt.found_inf`` (nonzero when this rank's
+    gradients hold an inf or a NaN) and ``opt.grad_scale`` :math:`s` (None after
+    ``scaler.unscale_(opt)``) and calls ``opt.step()`` instead of skipping it. The gradients
+    become :math:`g / s`, multiplied by the float32 :math:`1/s` as the scaler does; with an
+    inf the update is skipped while the round still runs (:math:`x^+ = W x`), so that every
+    rank keeps taking part in every round. Without a scaler: nothing, False.
+    """
+    found_inf = getattr(optimizer, "found_inf", None)
+    if found_inf is None:
+        return False
+    scale = getattr(optimizer, "grad_scale", None)
+    if scale is not None:
+        inverse = scale.double().reciprocal().float()
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(inverse.to(p.grad.device))
+    return bool(found_inf.item())
+
+
 def evaluate(closure: Callable[[], object] | None) -> object:
     """``closure()`` with gradients enabled, as torch's optimizers call it (None: None).
 
@@ -456,12 +499,19 @@ def evaluate(closure: Callable[[], object] | None) -> object:
 
 
 def _checked(step: Callable) -> Callable:
-    """``step`` preceded by :meth:`DecentralizedOptimizer._check_usable`."""
+    """``step`` after ``_check_usable`` and, once per step, ``_take_loss_scale``."""
 
     @functools.wraps(step)
     def checked(self: DecentralizedOptimizer, *args: object, **kwargs: object) -> object:
         self._check_usable()
-        return step(self, *args, **kwargs)
+        if self._in_step:
+            return step(self, *args, **kwargs)
+        self._in_step = True
+        try:
+            self._take_loss_scale()
+            return step(self, *args, **kwargs)
+        finally:
+            self._in_step = self._skip_update = False
 
     return checked
 

@@ -55,7 +55,7 @@ from torch.ao.quantization import default_dynamic_qconfig
 
 from gossamer import context, ops
 from gossamer.optim.agreement import agreed
-from gossamer.optim.base import check_torch_optimizer
+from gossamer.optim.base import check_torch_optimizer, take_loss_scale
 from gossamer.topology import Topology
 
 __all__ = ["CoCoFL", "quantize_frozen"]
@@ -270,11 +270,16 @@ class CoCoFL:
         """Zero the gradients."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    #: a loss scaler hands over its scale (:func:`~gossamer.optim.base.take_loss_scale`)
+    _step_supports_amp_scaling = True
+
     def step(self, closure=None):
         """The local step of the trainable layers; the masked average on schedule."""
         if self._closed:  # its frozen layers train again: the masks no longer hold
             raise RuntimeError("CoCoFL was closed; build a new optimizer")
-        loss = self.optimizer.step(closure)
+        # A loss scaler's inf skips the local step only: the averages stay on schedule.
+        skip = take_loss_scale(self, self.params)
+        loss = None if skip else self.optimizer.step(closure)
         self.steps += 1
         if self.steps % self.num_steps_per_communication == 0:
             self.average()

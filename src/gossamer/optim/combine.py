@@ -105,7 +105,7 @@ class AdaptWithCombine(DecentralizedOptimizer):
             # A round that failed is over too: the next forward must start (and fail at
             # once, after a rank loss), not skip communication as a second forward would.
             self._started = False
-        self.optimizer.step()
+        self._update()
         self.steps += 1
         return loss
 
@@ -129,13 +129,14 @@ class AdaptThenCombine(BucketwiseOptimizer):
     and queues them; it does not wait.
 
     What changes with ``overlap=True``: the gradients are consumed during ``backward()``, so
-    code that changes them between ``backward()`` and ``step()`` (gradient clipping,
-    ``GradScaler``'s unscaling) has no effect on communication steps; a
+    code that changes them between ``backward()`` and ``step()`` (gradient clipping) has
+    no effect on communication steps, a loss scaler (``torch.amp.GradScaler``) is refused
+    at ``scaler.step(opt)``, and a
     second backward pass before ``step()`` (gradient accumulation) must run inside
     :meth:`no_sync`, except the last, or it raises ``RuntimeError``. Use ``overlap=False``
-    for those: the whole local step and every exchange then start in :meth:`step` (but a
-    scaler's skipped step skips this rank's round: see ``docs/concepts.md``, *Mixed
-    precision*). Steps that
+    for those: the whole local step and every exchange then start in :meth:`step` (a
+    scaler's overflow skips this rank's update, not its round: see ``docs/concepts.md``,
+    *Mixed precision*). Steps that
     do not communicate (``num_steps_per_communication > 1``) always step in :meth:`step`.
     Either way a parameter's combine lands in the forward pre-hook of the module that owns
     it: a forward that reads a parameter before its owner runs (a parent passing a child's
@@ -294,7 +295,7 @@ class AdaptThenCombine(BucketwiseOptimizer):
         loss = evaluate(closure)
         if not self._is_round():
             self.synchronize()
-            self.optimizer.step()
+            self._update()
         else:
             self._take_remaining_steps()
         self.steps += 1

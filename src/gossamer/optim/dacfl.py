@@ -129,13 +129,13 @@ class DACFL(DecentralizedOptimizer):
     def step(self, closure=None):
         r"""A local step; at a round's end, the FODAC update and :math:`x_i` into the model."""
         if not self._is_round():
-            loss = self.optimizer.step(closure)
+            loss = self._update(closure)
             self.steps += 1
             return loss
         # x(r) is fixed for the whole round: its mixing overlaps the local step.
         self.communicator.next_round()
         pending = [self.communicator.start(x, i) for i, x in enumerate(self.tracker)]
-        loss = self.optimizer.step(closure)
+        loss = self._update(closure)
         for i, bucket in enumerate(self.buckets):
             theta = bucket.pack().clone()
             x = self.tracker[i]

@@ -41,7 +41,9 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
     ``backward()`` the gradients are still this rank's own (torch DDP's are averaged by
     then). To clip or unscale averaged gradients, call ``opt.synchronize()`` first, then
     change them, then ``opt.step()`` (which does not average again); changed before
-    :meth:`synchronize`, they are overwritten by the average of the unchanged ones.
+    :meth:`synchronize`, they are overwritten by the average of the unchanged ones. So
+    with a loss scaler: ``opt.synchronize()``, then ``scaler.unscale_(opt)`` (optional) and
+    ``scaler.step(opt)``; a scaler's step before :meth:`synchronize` raises ``RuntimeError``.
 
     Example:
         >>> opt = GradientAllreduce(torch.optim.SGD(model.parameters(), lr=0.1), model)
@@ -178,6 +180,15 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
             self._accumulating = False
         super().zero_grad(set_to_none)
 
+    def _check_loss_scaler(self) -> None:
+        if self._dirty or self._pending:
+            raise RuntimeError(
+                "GradientAllreduce: a loss scaler (torch.amp.GradScaler) stepped this "
+                "optimizer before its gradients were averaged, so it unscaled and checked "
+                "this rank's own gradients, and ranks would skip different steps: call "
+                "opt.synchronize() before scaler.unscale_(opt) and scaler.step(opt)"
+            )
+
     def step(self, closure=None):
         """Wait for the averaged gradients, then take the wrapped optimizer's step.
 
@@ -187,5 +198,5 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
         self.synchronize()
         self.steps += 1
         self._accumulating = False
-        self.optimizer.step()
+        self._update()
         return loss

@@ -157,6 +157,13 @@ class NGC(DecentralizedOptimizer):
         """The settings every rank must build this optimizer with (checked when built)."""
         return {**super().settings(), "topology": self.topology, "alpha": self.alpha}
 
+    def _check_loss_scaler(self) -> None:
+        raise RuntimeError(
+            "NGC computes its gradients in step(closure), at its neighbours' models too, "
+            "so a loss scaler (torch.amp.GradScaler) cannot unscale or check them: step NGC "
+            "directly (bfloat16 autocast needs no loss scaling)"
+        )
+
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """One NGC step; ``closure()`` returns the local batch's loss at the current model.
 

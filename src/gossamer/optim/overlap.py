@@ -179,6 +179,16 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
         """Whether a backward pass began this step's local steps and ``step()`` has not run."""
         return self._arrivals.any or bool(self._ready) or self._queued > 0
 
+    def _check_loss_scaler(self) -> None:
+        if self.overlap:
+            raise RuntimeError(
+                f"{type(self).__name__}(overlap=True) takes its local steps during "
+                "backward(), before a loss scaler (torch.amp.GradScaler) can unscale or "
+                "check the gradients: build it with overlap=False to train with one "
+                "(gossamer.optim.AdaptThenCombine(..., overlap=False); with the BlueFog "
+                "facade, DistributedAdaptWithCombineOptimizer)"
+            )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; first finish, as :meth:`step` does, a step backward began.
 
@@ -225,6 +235,8 @@ class BucketwiseOptimizer(NoSync, DecentralizedOptimizer, abc.ABC):
 
     def _step_only(self, params: Iterable[torch.Tensor], closure=None):
         """The wrapped optimizer's step restricted to ``params`` (its own update rule)."""
+        if self._skip_update:
+            return None
         wanted = set(params)
         groups = self.optimizer.param_groups
         saved = [g["params"] for g in groups]

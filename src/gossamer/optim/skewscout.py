@@ -423,6 +423,18 @@ class SkewScout:
         """Finish the wrapped optimizer's communication in flight."""
         self.inner.synchronize()
 
+    #: a loss scaler's ``grad_scale`` and ``found_inf`` go on to the wrapped optimizer
+    _step_supports_amp_scaling = True
+
+    def _inner_step(self, closure):
+        scaler = {k: getattr(self, k) for k in ("grad_scale", "found_inf") if hasattr(self, k)}
+        vars(self.inner).update(scaler)
+        try:
+            return self.inner.step(closure)
+        finally:
+            for key in scaler:
+                delattr(self.inner, key)
+
     def step(self, closure=None):
         """The wrapped optimizer's step; every ``probe_every`` steps, a probe (collective)."""
         is_round = self._next_is_round()
@@ -432,7 +444,7 @@ class SkewScout:
             # A step that is a round itself is skipped, so period 1 keeps its overlap.
             self.inner.synchronize()
             self._anchor = self._flat()
-        loss = self.inner.step(closure)
+        loss = self._inner_step(closure)
         self._record_step_size()
         if self.inner.steps % self.probe_every == 0:
             self.probe()

@@ -166,7 +166,7 @@ class WindowPut(_OverWindows, AdaptWithCombine):
         finally:
             self._started = False  # a failed round is over too (see AdaptWithCombine.step)
         self.steps += 1
-        self.optimizer.step()
+        self._update()
         return loss
 
 
@@ -260,7 +260,7 @@ class PushSum(_OverWindows, BucketwiseOptimizer):
         """Local step, then (on communication steps) push shares and collect."""
         loss = evaluate(closure)  # its backward pass may already step and push buckets
         if not self._is_round():
-            self.optimizer.step()
+            self._update()
             self.steps += 1
             return loss
         self._take_remaining_steps()
