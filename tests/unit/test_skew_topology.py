@@ -196,6 +196,7 @@ def test_d_cliques_edge_cases_and_determinism():
         ({"label_histograms": [[1, -1]]}, ValueError, "must be finite and >= 0"),
         ({"label_histograms": [[1, 0], [0, 0]]}, ValueError, "row 1 is all zero"),
         ({"label_histograms": "counts"}, TypeError, "label_histograms must be a 2-D array"),
+        ({"label_histograms": [[1 + 2j, 0], [0, 1]]}, TypeError, "must hold real numbers"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

@@ -168,6 +168,7 @@ def test_integer_and_list_weights_are_converted():
         ([["a", "b"], ["c", "d"]], TypeError, "weights"),
         ([[1.0, 2.0], [3.0]], TypeError, "weights"),
         (None, TypeError, "weights"),
+        ([[1.0, 0.5j], [0.0, 1.0]], TypeError, "weights must hold real numbers"),
     ],
 )
 def test_constructor_validation(weights, error, match):

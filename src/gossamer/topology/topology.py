@@ -40,6 +40,7 @@ def as_finite_matrix(value: Any, name: str, what: str) -> np.ndarray:
         value = value.detach().cpu().numpy()
     if value is None or isinstance(value, str | bytes):
         raise TypeError(f"{name} must be a 2-D array of numbers; got {value!r}")
+    _check_real(value, name)
     try:
         arr = np.array(value, dtype=np.float64)
     except (TypeError, ValueError) as exc:
@@ -49,6 +50,16 @@ def as_finite_matrix(value: Any, name: str, what: str) -> np.ndarray:
     if not np.all(np.isfinite(arr)):
         raise ValueError(f"{name} must be finite; got a NaN or an infinity")
     return arr
+
+
+def _check_real(value: Any, name: str) -> None:
+    """Raise if ``value`` holds complex numbers, whose imaginary parts numpy would drop."""
+    try:
+        holds_complex = np.iscomplexobj(value)
+    except (TypeError, ValueError):  # not an array: the conversion's own error says so
+        return
+    if holds_complex:
+        raise TypeError(f"{name} must hold real numbers; got complex ones: {value!r:.80}")
 
 
 def _holds_text(value: Any) -> bool:
@@ -67,6 +78,7 @@ def as_weight_matrix(weights: Any, name: str) -> np.ndarray:
         raise TypeError(f"{name} must be a matrix of numbers; got {weights!r}")
     if _holds_text(weights):
         raise TypeError(f"{name} must be a matrix of numbers; got text entries: {weights!r:.80}")
+    _check_real(weights, name)
     try:
         arr = np.array(weights, dtype=np.float64, copy=True)
     except (TypeError, ValueError) as exc:
