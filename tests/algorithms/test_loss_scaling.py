@@ -18,6 +18,7 @@ import torch
 import gossamer
 import gossamer.bluefog as bf
 from gossamer import optim
+from gossamer.communicators import PowerSGDAllreduce
 from gossamer.testing import run_distributed
 from gossamer.topology import Topology
 from oracle import mix
@@ -186,3 +187,48 @@ def test_a_skipped_update_equals_a_zero_gradient_under_every_synchronous_optimiz
     for rank, (got, want) in enumerate(zip(scaled, plain, strict=True)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"rank {rank}")
     assert not torch.equal(scaled[0], linear_model().weight.detach()), "nothing trained"
+
+
+def _train_compressed(compression, steps, overflow_step):
+    """Gradient allreduce with a compressor that keeps residuals; one overflow on rank 1."""
+    rank = gossamer.rank()
+    g = torch.Generator().manual_seed(rank)
+    X = torch.randn(64, 16, generator=g)
+    Y = X @ torch.linspace(-1, 1, 256).reshape(16, 16)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16, bias=False)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+    if compression == "powersgd":
+        opt = optim.GradientAllreduce(sgd, model, communicator=PowerSGDAllreduce(1, start_iter=2))
+    else:
+        opt = optim.GradientAllreduce(sgd, model, compression=compression, error_feedback=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
+    scales, losses = [], []
+    for k in range(steps):
+        opt.zero_grad()
+        loss = ((model(X) - Y) ** 2).mean()
+        losses.append(loss.item())
+        scaled = scaler.scale(loss * float("inf") if (k, rank) == (overflow_step, 1) else loss)
+        scaled.backward()
+        opt.synchronize()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return model.weight.detach().clone(), scales, losses
+
+
+@pytest.mark.parametrize("compression", ["topk:0.25", "uint8", "sign", "powersgd"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_overflow_does_not_poison_the_error_feedback_residuals(world_size, compression):
+    """Without dropping them, one rank's infinite residual overflowed every later round."""
+    steps, overflow_step = 10, 4
+    results = run_distributed(
+        _train_compressed, world_size, args=(compression, steps, overflow_step)
+    )
+    weights, scales, losses = results[0]
+    # Exactly one skipped step (the scale halves there, and never again).
+    assert scales == [2.0**10] * overflow_step + [2.0**9] * (steps - overflow_step)
+    assert torch.isfinite(weights).all()
+    assert losses[-1] < losses[overflow_step] < losses[0]
+    for rank, (other, _, _) in enumerate(results[1:], start=1):
+        torch.testing.assert_close(other, weights, rtol=0, atol=0, msg=f"rank {rank}")

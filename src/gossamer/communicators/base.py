@@ -216,6 +216,13 @@ class Communicator(abc.ABC):
                 )
             self.generator.set_state(rng)
 
+    def discard_round(self) -> None:  # noqa: B027 - optional hook
+        """Drop what the last round carried into the next one (error-feedback residuals).
+
+        Called when that round's result was not applied: a loss scaler skipped the step on
+        every rank alike, so the residuals may hold the overflow's infinities.
+        """
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what :meth:`bind` created (collective for window patterns)."""
 

@@ -316,6 +316,11 @@ class CompressedAllreduce(RankStreams, Communicator):
         """The compressor as given, and whether error feedback is on."""
         return f"{super().compression_config()}, error_feedback={self.feedback is not None}"
 
+    def discard_round(self) -> None:
+        """Drop the residuals: an overflowed gradient left infinities in them."""
+        if self.feedback is not None:
+            self.feedback.reset()
+
     def state_dict(self) -> dict:
         """Rounds, the compressor's state and the error-feedback residuals."""
         state = {**super().state_dict(), **self._compression_state()}

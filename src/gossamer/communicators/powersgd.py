@@ -222,6 +222,14 @@ class PowerSGDAllreduce(Communicator):
         """``PowerSGD(rank=..., start_iter=..., ...)``."""
         return self._config
 
+    def discard_round(self) -> None:
+        """Drop torch's residuals and warm-start factors: an overflow made them non-finite.
+
+        The factors are drawn again from the state's generator, alike on every rank.
+        """
+        for memory in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict):
+            memory.clear()
+
     def state_dict(self) -> dict:
         """Rounds and torch's ``PowerSGDState`` (as its ``__getstate__``, without the group)."""
         slots = [s for s in torch_powersgd.PowerSGDState.__slots__ if s not in _NOT_SAVED]

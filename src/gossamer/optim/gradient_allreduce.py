@@ -198,5 +198,7 @@ class GradientAllreduce(NoSync, DecentralizedOptimizer):
         self.synchronize()
         self.steps += 1
         self._accumulating = False
+        if self._skip_update:  # every rank alike: the scaler checked the averages
+            self.communicator.discard_round()
         self._update()
         return loss
