@@ -190,13 +190,20 @@ def test_a_skipped_update_equals_a_zero_gradient_under_every_synchronous_optimiz
 
 
 def _train_compressed(compression, steps, overflow_step):
-    """Gradient allreduce with a compressor that keeps residuals; one overflow on rank 1."""
+    """Gradient allreduce with a compressor that keeps residuals; one overflow on rank 1.
+
+    ``"+momentum"`` after the compressor adds a :class:`optim.MomentumCorrection`, whose
+    buffers would keep the overflow too.
+    """
+    compression, _, momentum = compression.partition("+")
     rank = gossamer.rank()
     g = torch.Generator().manual_seed(rank)
     X = torch.randn(64, 16, generator=g)
     Y = X @ torch.linspace(-1, 1, 256).reshape(16, 16)
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16, bias=False)
+    if momentum:
+        optim.MomentumCorrection(model, momentum=0.5)
     sgd = torch.optim.SGD(model.parameters(), lr=0.05)
     if compression == "powersgd":
         opt = optim.GradientAllreduce(sgd, model, communicator=PowerSGDAllreduce(1, start_iter=2))
@@ -217,9 +224,11 @@ def _train_compressed(compression, steps, overflow_step):
     return model.weight.detach().clone(), scales, losses
 
 
-@pytest.mark.parametrize("compression", ["topk:0.25", "uint8", "sign", "powersgd"])
+@pytest.mark.parametrize(
+    "compression", ["topk:0.25", "uint8", "sign", "powersgd", "sign:bucket=4+momentum"]
+)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_an_overflow_does_not_poison_the_error_feedback_residuals(world_size, compression):
+def test_an_overflow_stays_neither_in_residuals_nor_in_momentum_buffers(world_size, compression):
     """Without dropping them, one rank's infinite residual overflowed every later round."""
     steps, overflow_step = 10, 4
     results = run_distributed(

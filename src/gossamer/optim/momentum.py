@@ -36,6 +36,10 @@ class MomentumCorrection:
     Create it **before** the decentralized optimizer: gradient hooks run in the order they
     were registered, and the optimizer's hook sends the gradient (created after one, it
     raises). A step is any ``torch.optim`` optimizer's ``step()`` over these parameters.
+    A backward pass after ``zero_grad()`` with no step since the last one (a loss scaler
+    skipped the update of an overflowed step) restarts the buffer, :math:`m_t = g_t`, so an
+    overflow's infinities do not stay in it. Under a loss scaler the buffers hold scaled
+    gradients: a change of scale rescales the history against the new gradients.
 
     Args:
         model (nn.Module): the model whose parameters' gradients are replaced.
