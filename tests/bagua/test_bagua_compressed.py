@@ -275,7 +275,8 @@ def test_qadam_warmup_is_adam_and_compressed_steps_within_5_percent():
 LP_STEPS, LP_LR = 60, 0.02
 
 
-def _low_precision_steps(steps, kwargs):
+def _low_precision_steps(steps, kwargs, skip=()):
+    """``skip``: (step, rank) whose scaled loss overflows under a ``torch.amp.GradScaler``."""
     """This rank's weights after every step of Bagua's low-precision algorithm(**kwargs)."""
     bagua.init_process_group()
     r = bagua.get_rank()
@@ -283,11 +284,14 @@ def _low_precision_steps(steps, kwargs):
     opt = torch.optim.SGD(m.parameters(), lr=LP_LR)
     m = m.with_bagua([opt], decentralized.LowPrecisionDecentralizedAlgorithm(**kwargs))
     x, y = _data(r)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=bool(skip))
     models = []
-    for _ in range(steps):
+    for k in range(steps):
         opt.zero_grad()
-        _loss(m, x, y).backward()
-        opt.step()
+        loss = _loss(m, x, y)
+        scaler.scale(loss * float("inf") if (k, r) in skip else loss).backward()
+        scaler.step(opt)
+        scaler.update()
         models.append(_flat(m.parameters()))
     return models
 
@@ -376,18 +380,22 @@ def test_low_precision_gossip_draws_a_stream_per_rank(world_size):
 
 
 # ------------------------------------------------- the ring's differences left in flight
-def _low_precision_simulated(n, steps):
-    """Bagua's low-precision decentralized SGD in one process, blocking rounds."""
+def _low_precision_simulated(n, steps, skip=()):
+    """Bagua's low-precision decentralized SGD in one process, blocking rounds.
+
+    A rank in ``skip`` at a step leaves out its update there, and still takes its round.
+    """
     models = [_model(0) for _ in range(n)]
     opts = [torch.optim.SGD(m.parameters(), lr=LP_LR) for m in models]
     x0 = _flat(models[0].parameters())
     reps = [{"self": x0.clone(), "left": x0.clone(), "right": x0.clone()} for _ in range(n)]
     out = []
-    for _ in range(steps):
+    for k in range(steps):
         for r, (m, opt) in enumerate(zip(models, opts, strict=True)):
             opt.zero_grad()
             _loss(m, *_data(r)).backward()
-            opt.step()
+            if (k, r) not in skip:
+                opt.step()
         xs = _ring_round([MinMaxUInt8()] * n, reps, [_flat(m.parameters()) for m in models])
         for m, x in zip(models, xs, strict=True):
             _set(m, x)
@@ -410,3 +418,23 @@ def test_low_precision_steps_are_the_blocking_rings_while_differences_travel(
     for rank, models in enumerate(got):
         for step, model in enumerate(models):
             torch.testing.assert_close(model, want[step][rank], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_low_precision_ring_keeps_its_rounds_when_a_loss_scaler_skips_a_step(world_size):
+    """torch.amp.GradScaler skips optimizer.step(), and with it the step's ring round.
+
+    The engine runs that round at the next forward pass instead, on the unchanged weights;
+    before, the rank paired its rounds with its peers' next ones, and its peers failed
+    when it finished first.
+    """
+    skip = {(2, 1), (5, 0)}
+    env = {"GOSSAMER_NODES_PER_MACHINE": "1"}  # a ring between machines: compressed
+    got = run_distributed(_low_precision_steps, world_size, args=(8, {}, skip), env=env)
+    want = _low_precision_simulated(world_size, 8, skip)
+    for rank, models in enumerate(got):
+        for step, model in enumerate(models):
+            if (step, rank) in skip:  # nothing changed yet: the round runs at the next forward
+                torch.testing.assert_close(model, models[step - 1], rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(model, want[step][rank], rtol=1e-5, atol=1e-6)

@@ -211,6 +211,7 @@ class BaguaDistributedDataParallel:
         self._seen: set[str] = set()  # parameters whose gradient arrived this backward
         self._reset_pending = False  # asked for by an evaluation forward: the next training one
         self._saved_buckets: list[list[dict]] | None = None  # loaded, waiting for a rebuild
+        self._unstepped: set[int] = set()  # optimizers (by index) not stepped since backward
         previous = module.__dict__.get("_bagua_engine")
         if previous is not None:  # wrapped again: the previous engine lets go of the module
             previous.detach()
@@ -293,6 +294,7 @@ class BaguaDistributedDataParallel:
 
     # ------------------------------------------------------------------ hooks
     def _count_step(self, module: nn.Module, inputs: Any) -> None:
+        self._finish_skipped_steps()
         self._callback_queued = False
         self._seen.clear()
         if module.training:
@@ -341,15 +343,38 @@ class BaguaDistributedDataParallel:
                 hook(name, param)
         self._seen.clear()
         self.bagua_algorithm.init_post_backward_hook(self)()
+        self._unstepped = set(range(len(self.bagua_optimizers)))
 
     def _register_optimizer_hooks(self) -> None:
         for handle in self._optimizer_hooks:
             handle.remove()
-        post_step = self.bagua_algorithm.init_post_optimizer_step_hook(self)
+        self._post_step = self.bagua_algorithm.init_post_optimizer_step_hook(self)
+
+        def stepped(index: int, opt: torch.optim.Optimizer) -> None:
+            self._unstepped.discard(index)
+            self._post_step(opt)
+
         self._optimizer_hooks = [
-            opt.register_step_post_hook(lambda opt, args, kwargs: post_step(opt))
-            for opt in self.bagua_optimizers
+            opt.register_step_post_hook(lambda opt, args, kwargs, index=index: stepped(index, opt))
+            for index, opt in enumerate(self.bagua_optimizers)
         ]
+
+    def _finish_skipped_steps(self) -> None:
+        """Run the post-step hook of an optimizer whose step was skipped.
+
+        A loss scaler (``torch.amp.GradScaler``) skips ``optimizer.step()`` on a rank whose
+        gradients overflowed, and so its post-step hook: the low-precision ring would then
+        pair this rank's round with its peers' next one. An optimizer not stepped since the
+        last backward pass whose gradients were cleared since (``zero_grad()``) skipped its
+        step, rather than accumulating gradients: its round runs now, on the weights
+        as they are, as it would have after an update of zero.
+        """
+        for index in sorted(self._unstepped):
+            opt = self.bagua_optimizers[index]
+            params = [p for group in opt.param_groups for p in group["params"]]
+            if all(p.grad is None or not p.grad.any() for p in params):
+                self._unstepped.discard(index)
+                self._post_step(opt)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
