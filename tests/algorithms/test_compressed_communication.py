@@ -7,6 +7,7 @@ library's compressors (which are tested on their own in tests/unit).
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -266,12 +267,13 @@ def _simulate_randomk(spec, n, rounds, average):
     """Random-k with error feedback, all ranks in one process.
 
     p_i = C(u_i + e_i). The kept values of the n payloads are summed: as they are, or,
-    with 8-bit values (``quantize=true``), by ByteGrad (n chunks padded with zeros, 8-bit
-    codes, the owner's sum re-coded), at the positions of plain random-k of the same seed.
+    with coded values (``quantize=true``, 8-bit or ``bits=b``), by ByteGrad (n chunks padded
+    with zeros, min-max codes, the owner's sum re-coded), at the positions of plain random-k
+    of the same seed.
     With error reset rank i gets G_i = u_i + mean_j p_j - p_i, else the mean for all.
     """
     cs = [get_compressor(spec) for _ in range(n)]  # same seed: the same positions every round
-    where = get_compressor(spec.replace(":quantize=true", "").replace(":reset=true", ""))
+    where = get_compressor(re.sub(r":(quantize=true|reset=true|bits=\d)", "", spec))
     residuals = [torch.zeros(1001, dtype=torch.float64) for _ in range(n)]
     out = []
     for t in range(rounds):
@@ -283,7 +285,7 @@ def _simulate_randomk(spec, n, rounds, average):
             ps.append(cs[i].decompress(cs[i].compress(corrected)))
             residuals[i] = corrected - ps[i]
         if "quantize=true" in spec:
-            shared = _bytegrad_at(kept, ps, n, average)
+            shared = _bytegrad_at(kept, ps, n, average, cs[0].values_codec)
         else:
             shared = sum(ps) / n if average else sum(ps)
         if "reset=true" in spec:
@@ -294,8 +296,7 @@ def _simulate_randomk(spec, n, rounds, average):
     return torch.stack(out, 1)  # [rank, round, element]
 
 
-def _bytegrad_at(kept, ps, n, average):
-    codes = get_compressor("uint8")
+def _bytegrad_at(kept, ps, n, average, codes):
     k = int(kept.sum())
     per = -(-k // n)
     padded = torch.zeros(n, per * n, dtype=torch.float64)
@@ -334,6 +335,8 @@ def test_randomk_error_reset_matches_the_one_process_simulation(world_size, aver
         (2, "randomk:0.1:quantize=true", True),
         (3, "randomk:0.1:quantize=true", False),
         (3, "randomk:0.1:quantize=true:reset=true", True),
+        (3, "randomk:0.1:quantize=true:bits=4:reset=true", True),
+        (2, "randomk:0.1:quantize=true:bits=2", False),
     ],
 )
 def test_quantized_randomk_allreduce_matches_the_one_process_simulation(world_size, spec, average):

@@ -24,6 +24,7 @@ from gossamer.compression import (
     compression_quality,
     get_compressor,
 )
+from gossamer.compression.minmax import MinMaxCodes
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 """Where each compressor runs: the tests that take ``device`` run on CUDA too (``-m gpu``)."""
@@ -37,20 +38,25 @@ def _randn(numel, seed=0, dtype=torch.float32, device="cpu"):
 # --- MinMaxUInt8: bit-exact with Bagua's compress_float_to_uint8 / decompress kernels --------
 
 
-def bagua_minmax_uint8(x: np.ndarray, chunks: int) -> tuple[list, np.ndarray, np.ndarray]:
-    """Bagua's kernel, one chunk at a time, in numpy float32 (the kernel's arithmetic)."""
+def bagua_minmax_uint8(
+    x: np.ndarray, chunks: int, levels: int = 255
+) -> tuple[list, np.ndarray, np.ndarray]:
+    """Bagua's kernel, one chunk at a time, in numpy float32 (the kernel's arithmetic).
+
+    ``levels`` other than 255: the same rounding with that many steps (MinMaxCodes).
+    """
     f32 = np.float32
     length = math.ceil(x.size / chunks)
     headers, codes, decoded = [], [], []
     for start in range(0, x.size, length):
         chunk = x[start : start + length]
         lo, hi = chunk.min(), chunk.max()  # in the source dtype, as the header stores them
-        scale = f32(255.0) / (f32(hi) - f32(lo) + f32(1e-7))
+        scale = f32(levels) / (f32(hi) - f32(lo) + f32(1e-7))
         upper = np.rint(f32(hi) * scale)
-        lower = upper - f32(255.0)
+        lower = upper - f32(levels)
         level = np.minimum(np.rint(chunk.astype(f32) * scale), upper)
         # CUDA's float -> uint8 conversion saturates.
-        q = np.clip(level - lower, 0, 255).astype(np.uint8)
+        q = np.clip(level - lower, 0, levels).astype(np.uint8)
         headers += [lo, hi]
         codes.append(q)
         decoded.append(((q.astype(f32) + lower) / scale).astype(x.dtype))
@@ -105,6 +111,38 @@ def test_minmax_uint8_turns_a_chunk_holding_a_non_finite_value_into_nans(dtype, 
     y = MinMaxUInt8(2).decompress(MinMaxUInt8(2).compress(x))
     assert not torch.isfinite(y[:3]).any()
     torch.testing.assert_close(y[3:], x[3:], atol=2 / 255, rtol=0)
+
+
+@pytest.mark.parametrize("make", BAGUA_INPUTS.values(), ids=BAGUA_INPUTS.keys())
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_minmax_codes_are_the_uint8_rounding_with_fewer_levels_packed(make, bits, dtype):
+    x = make(1003).astype(dtype)
+    headers, codes, decoded = bagua_minmax_uint8(x, 1, levels=2**bits - 1)
+    compressor = MinMaxCodes(bits)
+    payload = compressor.compress(torch.from_numpy(x))
+    buffer = payload.buffer.numpy()
+    assert buffer.size == 2 * x.itemsize + math.ceil(1003 * bits / 8)
+    assert buffer[: 2 * x.itemsize].view(dtype).tolist() == headers
+    stream = np.unpackbits(buffer[2 * x.itemsize :], bitorder="little")[: 1003 * bits]
+    unpacked = (stream.reshape(-1, bits).astype(np.int64) << np.arange(bits)).sum(1)
+    np.testing.assert_array_equal(unpacked, codes)
+    out = compressor.decompress(payload).numpy()
+    np.testing.assert_array_equal(out.view(np.uint8), decoded.view(np.uint8))
+    if bits == 8:  # MinMaxUInt8's bytes, one chunk
+        assert np.array_equal(buffer, MinMaxUInt8().compress(torch.from_numpy(x)).buffer.numpy())
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_minmax_codes_of_a_tensor_holding_a_non_finite_value_are_nans(bad):
+    y = MinMaxCodes(4).decompress(MinMaxCodes(4).compress(torch.tensor([1.0, bad, 2.0])))
+    assert torch.isnan(y).all()
+
+
+def test_minmax_codes_take_one_to_eight_bits():
+    for bad, error in ((0, ValueError), (9, ValueError), (4.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="bits must be"):
+            MinMaxCodes(bad)
 
 
 def test_minmax_uint8_uses_fewer_chunks_than_asked_for_short_tensors():
@@ -319,19 +357,21 @@ def test_randomk_regenerates_indices_from_the_header(device):
     assert not torch.equal(torch.nonzero(sender.decompress(other)).view(-1), kept)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
-def test_quantized_randomk_sends_8_bit_codes_at_the_same_positions(dtype):
+def test_quantized_randomk_sends_codes_at_the_same_positions(dtype, bits):
     x = _randn(1000, 5).to(dtype)
-    plain, quantized = RandomK(0.1, seed=4), RandomK(0.1, seed=4, quantize=True)
+    plain, quantized = RandomK(0.1, seed=4), RandomK(0.1, seed=4, quantize=True, bits=bits)
     want, payload = plain.decompress(plain.compress(x)), quantized.compress(x)
-    # seed and step, the (min, max) of the kept values, one byte per value
-    assert payload.nbytes == 16 + 2 * dtype.itemsize + 100
+    # seed and step, the (min, max) of the kept values, then 100 codes of `bits` bits
+    assert payload.nbytes == 16 + 2 * dtype.itemsize + math.ceil(100 * bits / 8)
     got = quantized.decompress(payload)
     kept = want != 0
     assert not got[~kept].any()  # (a kept value may round to 0)
-    # Bagua's 8-bit code of each kept value: its error is at most half a step of the range.
+    # Min-max codes of each kept value: the error is at most half a step of the range.
     lo, hi = want[kept].double().min(), want[kept].double().max()
-    assert (got[kept].double() - want[kept].double()).abs().max() <= (hi - lo) / 510 * 1.01
+    step = (hi - lo) / (2**bits - 1)
+    assert (got[kept].double() - want[kept].double()).abs().max() <= step / 2 * 1.01
     assert torch.equal(quantized.kept_values(payload), got[kept])
     doubled = quantized.with_values(payload, 2 * quantized.kept_values(payload))
     assert torch.equal(doubled, 2 * got)

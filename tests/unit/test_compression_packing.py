@@ -168,6 +168,7 @@ EF_COMPRESSORS = {
     "uint8": MinMaxUInt8(),
     "randomk": RandomK(0.2, seed=3),
     "randomk-quantize": RandomK(0.2, seed=3, quantize=True),
+    "randomk-quantize-4bits": RandomK(0.2, seed=3, quantize=True, bits=4),
     "qsgd": QSGD(2, seed=3),
 }
 

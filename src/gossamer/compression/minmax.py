@@ -1,4 +1,4 @@
-"""Bagua's MinMaxUInt8: 8-bit codes between each chunk's minimum and maximum."""
+"""Min-max quantization: Bagua's MinMaxUInt8 (8-bit codes per chunk) and packed narrower codes."""
 
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ from gossamer.compression._common import (
     Reader,
     check_int,
     compute_dtype,
+    join,
     kernels,
     scratch,
     takes_kernels,
 )
 from gossamer.compression.base import Compressor
+from gossamer.compression.packing import pack_bits, packed_nbytes, unpack_bits
 
-__all__ = ["MinMaxUInt8"]
+__all__ = ["MinMaxCodes", "MinMaxUInt8"]
 
 _EPS = 1e-7  # Bagua's `const float eps`
 
@@ -246,3 +248,55 @@ def _dequantize(
             tb.div_(scale[rs])
             if work is not None:
                 ob.copy_(tb)
+
+
+@dataclass(frozen=True, repr=False)
+class MinMaxCodes(Compressor):
+    r"""``bits``-bit codes between the tensor's minimum and maximum, packed.
+
+    MinMaxUInt8's rounding (one chunk) with :math:`L = 2^b - 1` levels in place of 255,
+    for :math:`b` = ``bits``: ``scale = L / (hi - lo + eps)``, ``upper = rint(hi * scale)``,
+    ``lower = upper - L``, code ``q = clamp(rint(x * scale) - lower, 0, L)``, decoded
+    ``(q + lower) / scale``. The error is at most about ``(hi - lo) / (2L)`` per element.
+    The payload is the ``(lo, hi)`` pair in the tensor's dtype, then the codes packed
+    LSB first (:func:`~gossamer.compression.packing.pack_bits`): ``ceil(n b / 8)`` bytes.
+    ``bits=8`` gives MinMaxUInt8's codes and bytes.
+
+    Not in the registry: it is random-k's codec for its kept values
+    (``randomk:<ratio>:quantize=true:bits=<b>``), in torch operations on every device.
+
+    Args:
+        bits: Code width, in ``[1, 8]``.
+    """
+
+    spec_name: ClassVar[str] = "minmax"
+
+    bits: int = 8
+
+    def __post_init__(self) -> None:
+        check_int(self.bits, "bits", 1, 8)
+
+    def _nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        return 2 * dtype.itemsize + packed_nbytes(numel, self.bits)
+
+    def _scale_lower(self, header: torch.Tensor, cdt: torch.dtype):
+        levels = float(2**self.bits - 1)
+        lo, hi = header[0].to(cdt), header[1].to(cdt)
+        scale = torch.full_like(hi, levels).div_(hi - lo + _EPS)
+        return scale, torch.round(hi * scale) - levels, levels
+
+    def _encode(self, flat: torch.Tensor) -> torch.Tensor:
+        cdt = compute_dtype(flat.dtype)
+        header = torch.stack(torch.aminmax(flat))
+        scale, lower, levels = self._scale_lower(header, cdt)
+        codes = (flat.to(cdt) * scale).round_().sub_(lower).clamp_(0.0, levels)
+        packed = pack_bits(codes.to(torch.uint8), self.bits)
+        return join(header, packed)
+
+    def _decode(self, buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        cdt = compute_dtype(dtype)
+        reader = Reader(buffer)
+        header = reader.take(2, dtype)
+        scale, lower, _ = self._scale_lower(header, cdt)
+        codes = unpack_bits(reader.rest(), self.bits, numel)
+        return codes.to(cdt).add_(lower).div_(scale).to(dtype)

@@ -13,6 +13,7 @@ import torch
 from gossamer.compression._common import (
     FusedAdd,
     Reader,
+    check_int,
     check_ratio,
     compute_dtype,
     join,
@@ -22,7 +23,7 @@ from gossamer.compression._common import (
 )
 from gossamer.compression._random import Seeded, generator
 from gossamer.compression.base import Compressor, Payload
-from gossamer.compression.minmax import MinMaxUInt8
+from gossamer.compression.minmax import MinMaxCodes, MinMaxUInt8
 from gossamer.compression.packing import (
     pack_bits,
     packed_nbytes,
@@ -273,9 +274,14 @@ class RandomK(_Entries, Seeded):
       ``randomk:0.01`` does. The rounding (at most ``(max - min) / 510`` per value) is
       deterministic, so it needs the biased form; error feedback takes it up with the rest.
       A compressed allreduce sums the codes by scatter-reduce-gather (ByteGrad).
+    - ``bits=b`` (with ``quantize=True``): ``b``-bit min-max codes instead, packed
+      (:class:`~gossamer.compression.minmax.MinMaxCodes`; rounding at most
+      ``(max - min) / (2 (2^b - 1))``): ``randomk:0.08:quantize=true:bits=4`` keeps eight
+      times the positions of ``randomk:0.01`` in its bytes.
 
     Registry names: ``"randomk:<ratio>"``, ``"randomk:<ratio>:unbiased=true"``,
-    ``"randomk:<ratio>:reset=true:cyclic=true"``, ``"randomk:<ratio>:quantize=true"``.
+    ``"randomk:<ratio>:reset=true:cyclic=true"``, ``"randomk:<ratio>:quantize=true"``,
+    ``"randomk:<ratio>:quantize=true:bits=4"``.
 
     Args:
         ratio: Fraction of entries kept, in ``(0, 1]``.
@@ -284,6 +290,7 @@ class RandomK(_Entries, Seeded):
         reset: Error reset in a compressed allreduce (keyword only).
         cyclic: Weyl-sequence positions instead of independent draws (keyword only).
         quantize: Send the kept values as 8-bit MinMaxUInt8 codes (keyword only).
+        bits: With ``quantize``, the code width, in ``[1, 8]`` (keyword only).
     """
 
     spec_name: ClassVar[str] = "randomk"
@@ -294,6 +301,7 @@ class RandomK(_Entries, Seeded):
     reset: bool = field(default=False, kw_only=True)  # type: ignore[misc]
     cyclic: bool = field(default=False, kw_only=True)  # type: ignore[misc]
     quantize: bool = field(default=False, kw_only=True)  # type: ignore[misc]
+    bits: int = field(default=8, kw_only=True)  # type: ignore[misc]
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -304,11 +312,16 @@ class RandomK(_Entries, Seeded):
         for name in ("reset", "quantize"):
             if self.unbiased and getattr(self, name):
                 raise ValueError(f"{name}=True needs the biased random-k (unbiased=False)")
+        check_int(self.bits, "bits", 1, 8)
+        if self.bits != 8 and not self.quantize:
+            raise ValueError(f"bits={self.bits} needs quantize=True (values are sent as codes)")
 
     @property
     def values_codec(self) -> Compressor | None:
-        """How the kept values are encoded: MinMaxUInt8 with ``quantize``, else None (raw)."""
-        return _VALUES if self.quantize else None
+        """How the kept values are encoded: min-max codes with ``quantize``, else None (raw)."""
+        if not self.quantize:
+            return None
+        return _VALUES if self.bits == 8 else MinMaxCodes(self.bits)
 
     def kept_values(self, payload: Payload) -> torch.Tensor:
         """The ``k`` kept values of ``payload`` (decoded, in its dtype), in position order."""
@@ -321,7 +334,8 @@ class RandomK(_Entries, Seeded):
 
     def _nbytes(self, numel: int, dtype: torch.dtype) -> int:
         k = kept(numel, self.ratio)
-        return 16 + (_VALUES.payload_nbytes(k, dtype) if self.quantize else k * dtype.itemsize)
+        codec = self.values_codec
+        return 16 + (codec.payload_nbytes(k, dtype) if codec else k * dtype.itemsize)
 
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         numel, step = flat.numel(), self._next_step()
@@ -331,7 +345,8 @@ class RandomK(_Entries, Seeded):
             cdt = compute_dtype(flat.dtype)
             values = (values.to(cdt) * sizes.to(flat.device, cdt)).to(flat.dtype)
         header = torch.tensor([self.seed, step], dtype=torch.int64, device=flat.device)
-        return join(header, _VALUES.compress(values).buffer if self.quantize else values)
+        codec = self.values_codec
+        return join(header, codec.compress(values).buffer if codec else values)
 
     def _entries(
         self, buffer: torch.Tensor, numel: int, dtype: torch.dtype
@@ -340,9 +355,10 @@ class RandomK(_Entries, Seeded):
         reader = Reader(buffer)
         seed, step = reader.take(2, torch.int64).tolist()
         indices, _ = _stratified(numel, k, seed, step, self.cyclic)
-        if self.quantize:
+        codec = self.values_codec
+        if codec is not None:
             codes = buffer[16:].contiguous()
-            return indices.to(buffer.device), _VALUES.decompress(Payload(codes, (k,), dtype))
+            return indices.to(buffer.device), codec.decompress(Payload(codes, (k,), dtype))
         return indices.to(buffer.device), reader.take(k, dtype)
 
 
@@ -369,16 +385,33 @@ def _stratified(
     comes back after between about ``0.6 n_j`` and ``1.6 n_j`` calls (three-gap theorem),
     whatever the stride at which a caller's calls reach this tensor.
     """
-    starts = torch.arange(k + 1, dtype=torch.int64) * numel // k
-    sizes = starts[1:] - starts[:-1]
+    starts, sizes = _blocks(numel, k)
     if not cyclic:
         # 62 random bits modulo a block size: the modulo bias is below 2^-40 for any tensor.
         draws = torch.randint(0, 1 << _BITS, (k,), generator=generator(seed, step))
-        return starts[:-1] + draws % sizes, sizes
+        return starts + draws % sizes, sizes
+    phases, per_turn, last = _cycle(numel, k, seed)
+    # phases < 2^62 and the step's turn < 2^62: the sum fits int64, and the mask is mod 2^62.
+    turn = (phases + (step * _WEYL) % (1 << _BITS)).bitwise_and_(_PHASES)
+    offsets = (turn.double() * per_turn).long()
+    return starts + torch.minimum(offsets, last), sizes
+
+
+# The parts of the positions that do not change from step to step (8x the positions of
+# randomk:0.01, at randomk:0.08:quantize=true:bits=4, made them most of a round's draw).
+@functools.lru_cache(maxsize=4)
+def _blocks(numel: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first index and the size of each of the ``k`` blocks of ``[0, numel)``."""
+    starts = torch.arange(k + 1, dtype=torch.int64) * numel // k
+    return starts[:-1], starts[1:] - starts[:-1]
+
+
+@functools.lru_cache(maxsize=4)
+def _cycle(numel: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Weyl phases ``a_j`` (62-bit), ``n_j / 2^62`` and ``n_j - 1`` of each block."""
+    sizes = _blocks(numel, k)[1]
     phases = torch.randint(0, 1 << _BITS, (k,), generator=generator(seed, _PHASES))
-    turn = (phases + (step * _WEYL) % (1 << _BITS)) % (1 << _BITS)
-    offsets = (turn.double() * (sizes.double() / 2.0**_BITS)).long()
-    return starts[:-1] + torch.minimum(offsets, sizes - 1), sizes
+    return phases, sizes.double() / 2.0**_BITS, sizes - 1
 
 
 @dataclass(frozen=True, repr=False)
