@@ -163,6 +163,25 @@ def _qadam(full_precision=False):
     return states
 
 
+def _qadam_under_a_loss_scaler():
+    bagua.init_process_group()
+    r = bagua.get_rank()
+    m = _qmodel(r)
+    opt = q_adam.QAdamOptimizer(m.parameters(), lr=LR, warmup_steps=WARMUP)
+    m = m.with_bagua([opt], q_adam.QAdamAlgorithm(opt, hierarchical=False))
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(m, *_qdata(r))).backward()
+    with pytest.raises(RuntimeError, match="cannot follow a loss scaler") as raised:
+        scaler.step(opt)
+    return str(raised.value)
+
+
+def test_qadam_refuses_a_loss_scaler_on_every_rank():
+    """Its momentum takes the gradients in backward(), before a scaler unscales them."""
+    for message in run_distributed(_qadam_under_a_loss_scaler, 2):
+        assert "bfloat16 autocast needs none" in message
+
+
 def _qadam_loaded_after_with_bagua():
     bagua.init_process_group()
     r = bagua.get_rank()

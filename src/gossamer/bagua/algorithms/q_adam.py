@@ -104,9 +104,25 @@ class QAdamOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.warmup_steps = warmup_steps
 
+    # torch.amp.GradScaler then calls step() with its verdict instead of skipping it, so a
+    # loss scaler is refused here: the compressed stage took the scaled gradients into the
+    # momentum during backward(), before the scaler could unscale or check them.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        """One QAdam step (see the module docstring)."""
+        """One QAdam step (see the module docstring).
+
+        Raises:
+            RuntimeError: called by a loss scaler (``torch.amp.GradScaler.step``).
+        """
+        if getattr(self, "found_inf", None) is not None:
+            raise RuntimeError(
+                "QAdamOptimizer cannot follow a loss scaler (torch.amp.GradScaler): after "
+                "its warm-up QAdam averages the gradients into its momentum during "
+                "backward(), before the scaler can unscale or check them; train it without "
+                "one (bfloat16 autocast needs none)"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
