@@ -11,8 +11,10 @@ variable                       default    meaning
                                           :class:`~gossamer.errors.CommunicationTimeout`
 ``GOSSAMER_DEAD_AFTER``        ``3``      seconds a peer's heartbeat may stand still, while
                                           this rank waits for it, before the peer counts
-                                          as lost; raise it for programs that hold the GIL
-                                          that long in one C call
+                                          as lost; peers of this machine count as lost
+                                          when their process ends, not by heartbeat
+                                          (unless stopped); raise it for peers elsewhere
+                                          that hold the GIL that long in one C call
 ``GOSSAMER_NODES_PER_MACHINE`` unset      fake machine boundaries on one host: ranks
                                           ``k*m .. k*m+k-1`` form machine ``m``;
                                           ``BLUEFOG_NODES_PER_MACHINE`` is the fallback

@@ -163,10 +163,10 @@ LEAVER = textwrap.dedent(r"""
 @pytest.mark.parametrize("how", ["leave", "kill"])
 def test_ranks_gone_before_their_first_call_are_named(how, tmp_path):
     # Ranks that left by shutdown() mark it in the store: the call that finds their
-    # connections closed names them at once (the heartbeats alone would take
-    # GOSSAMER_DEAD_AFTER, here longer than the deadline). Ranks killed before any call
-    # are found by their heartbeats, which start at init.
-    extra = {"GOSSAMER_DEAD_AFTER": "600" if how == "leave" else "3"}
+    # connections closed names them at once. Ranks killed before any call are found by
+    # their processes, which have ended (ranks of one machine). Either way the heartbeats
+    # alone would take GOSSAMER_DEAD_AFTER, here longer than the deadline.
+    extra = {"GOSSAMER_DEAD_AFTER": "600"}
     procs, outputs = _launch(tmp_path, LEAVER, 3, [how], extra)
     codes = [0, 0, 0] if how == "leave" else [0, -9, -9]
     assert [p.returncode for p in procs] == codes, outputs
@@ -201,3 +201,27 @@ def test_a_timeout_tells_which_rank_hung_outside_gossamer(tmp_path):
             "waiting for all ranks (at their last heartbeat: rank 1 in no gossamer "
             f"operation; rank {other} waiting in allreduce)"
         ), message
+
+
+STARVED = textwrap.dedent(r"""
+    import ctypes, json, os, torch, gossamer
+
+    gossamer.init()
+    if gossamer.rank() == 1:
+        # libc's sleep called with the GIL held: the heartbeat thread cannot beat for 4 s,
+        # as behind a long C call on a machine with more busy processes than cores
+        ctypes.PyDLL(None).sleep(4)
+    try:
+        report = gossamer.allreduce(torch.ones(3), average=False).tolist()
+    except Exception as err:
+        report = [type(err).__name__, str(err)]
+    os.write(1, ("REPORT " + json.dumps(report) + "\n").encode())
+""")
+
+
+def test_a_live_rank_whose_heartbeat_stands_still_is_waited_for(tmp_path):
+    # GOSSAMER_DEAD_AFTER=1: rank 1's counter stands still 4 times that long, but its
+    # process runs on this machine, so its peers wait for it instead of declaring it lost.
+    procs, outputs = _launch(tmp_path, STARVED, 3, [], {"GOSSAMER_DEAD_AFTER": "1"})
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    assert [_report(outputs[r]) for r in range(3)] == [[3.0, 3.0, 3.0]] * 3, outputs

@@ -17,7 +17,7 @@ import torch
 # neighbour averaging and report the live set they agreed on. Rank 0 hosts nothing under
 # the launcher (the agent hosts the store of heartbeats and membership epochs).
 SURVIVE = textwrap.dedent(r"""
-    import os, signal, torch
+    import os, signal, time, torch
     import gossamer
     from gossamer import optim, topology
     gossamer.init()
@@ -33,8 +33,11 @@ SURVIVE = textwrap.dedent(r"""
         model(torch.randn(4, 3)).pow(2).mean().backward()
         opt.step()
     opt.synchronize()
-    # The agent's tombstone for rank 0, where this rank's liveness reads it.
-    marked = gossamer.context.runtime().store.check(["gossamer/dead/0"])
+    # The agent's tombstone for rank 0, where this rank's liveness reads it (the
+    # survivors may have seen rank 0's process end first, and finished before it came).
+    store, deadline = gossamer.context.runtime().store, time.monotonic() + 10
+    while not (marked := store.check(["gossamer/dead/0"])) and time.monotonic() < deadline:
+        time.sleep(0.05)
     os.write(1, f"rank {rank} finished 8 steps, live {gossamer.live_ranks()}, {marked}\n".encode())
     gossamer.shutdown()
 """)
@@ -73,7 +76,7 @@ RESUME = textwrap.dedent(r"""
 # --min-ranks 3, so every rank restarts and resumes the newest checkpoint of survivors,
 # from their average. Each rank writes what it starts from.
 ELASTIC_RESTART = textwrap.dedent(r"""
-    import os, signal, torch
+    import os, signal, time, torch
     import gossamer
     from gossamer import checkpoint, optim, topology
     gossamer.init()
@@ -89,6 +92,8 @@ ELASTIC_RESTART = textwrap.dedent(r"""
     for step in range(auto.steps, 10):
         if attempt == "0" and (rank, step) in ((3, 3), (2, 7)):
             os.kill(os.getpid(), signal.SIGKILL)
+        if attempt == "0" and step >= 7:
+            time.sleep(1)  # the agent stops the survivors before they could finish
         x = torch.randn(8, 4)
         opt.zero_grad()
         (model(x) - x.sum(1, keepdim=True)).pow(2).mean().backward()

@@ -1,7 +1,11 @@
 """Single-process checks of the transport's pieces: payload bytes, headers, liveness, errors."""
 
 import concurrent.futures
+import os
+import signal
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +72,57 @@ def test_a_rank_with_a_tombstone_is_lost_at_once(alive):
         store.set(f"gossamer/alive/{rank}", "1")
     store.set("gossamer/dead/2", "1")  # what the launcher's agent writes
     assert alive.check() == {2}  # no wait for the counter to go stale
+
+
+def _identity(pid: int, boot: str | None = None) -> str:
+    """What a rank writes under ``gossamer/process/<rank>``, read here from ``/proc``."""
+    boot = boot or Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    start = stat[stat.rindex(")") + 2 :].split()[19]  # proc(5) field 22
+    return f"{boot} {os.readlink('/proc/self/ns/pid')} {pid} {start}"
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/ns/pid").exists(), reason="Linux's /proc")
+
+
+@needs_proc
+def test_ranks_of_this_machine_are_judged_by_their_process_others_by_their_counter(alive):
+    store = alive._store
+    ended = subprocess.Popen(["sleep", "30"])
+    stopped = subprocess.Popen(["sleep", "30"])
+    try:
+        idents = {1: _identity(os.getpid()), 2: _identity(ended.pid)}
+        idents[3] = _identity(os.getpid(), boot="another-machine")
+        idents[4] = _identity(stopped.pid)
+        ended.kill()
+        ended.wait()  # reaped: no such process any more
+        os.kill(stopped.pid, signal.SIGSTOP)
+        live = Liveness(store, rank=0, size=5, store_host=None)
+        for rank, ident in idents.items():
+            store.set(f"gossamer/process/{rank}", ident)
+            store.set(f"gossamer/alive/{rank}", "1")
+        # the ended process is lost at the first read, before any counter could go stale
+        assert live.check() == {2}
+        time.sleep(0.4)  # every counter stands still for longer than GOSSAMER_DEAD_AFTER
+        # rank 1 runs here (starved, say): not lost; ranks 3 (another machine) and 4 (a
+        # stopped process) are judged by their counters
+        assert live.check() == {2, 3, 4}
+        live.close()
+    finally:
+        for proc in (ended, stopped):
+            proc.kill()
+            proc.wait()
+
+
+@needs_proc
+def test_a_rank_whose_pid_now_belongs_to_another_process_is_lost(alive):
+    store = alive._store
+    boot, namespace, pid, start = _identity(os.getpid()).split(" ")
+    store.set("gossamer/process/1", f"{boot} {namespace} {pid} {int(start) - 1}")
+    store.set("gossamer/alive/1", "1")
+    live = Liveness(store, rank=0, size=2, store_host=None)
+    assert live.check() == {1}
+    live.close()
 
 
 def test_ranks_that_left_name_the_ranks_they_had_found_lost_else_themselves(alive):

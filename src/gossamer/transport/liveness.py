@@ -25,16 +25,30 @@ leaver itself. Its heartbeat goes on while it closes, so the counters alone coul
 finisher that has not yet exited did not go on without a later loss).
 
 Counters, not clocks, so clock skew between machines cannot make a live rank look dead; a
-rank is judged only on changes this rank observed itself. Nothing is read while operations
+rank is judged only on changes this rank observed itself.
+
+A counter can also stand still because its rank is starved, not dead: on a machine with
+more busy processes than cores, a heartbeat thread that waits for the GIL behind a long
+compilation can miss several beats. So every rank also writes, once, where its process can
+be found (``gossamer/process/<rank>``: the kernel's boot id, the pid namespace, the pid
+and the process's start time, from ``/proc``). A rank that shares this rank's kernel and
+pid namespace (every rank of one machine, network namespaces included) is judged by its
+process instead: lost as soon as the process has ended (at the first read, without
+waiting for ``GOSSAMER_DEAD_AFTER``), never while it runs, however long its counter stands
+still. A live rank that hangs there makes the operation time out instead, naming it. A
+stopped process (``SIGSTOP``, a debugger) and ranks of other machines are judged by their
+counters. Nothing is read while operations
 complete normally, so the cost is one small store write per rank per :data:`BEAT_S`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -48,6 +62,7 @@ BEAT_S = 0.5  # a rank writes its counter this often
 STALL_S = 0.5  # a wait this long starts reading the counters
 DEAD_AFTER_S = 3.0  # default: a counter unchanged this long (seen here) marks its rank lost
 _PREFIX = "gossamer/alive/"
+_PROCESS = "gossamer/process/"
 
 
 class Liveness:
@@ -72,6 +87,8 @@ class Liveness:
         self._beats = 0
         self._watchers: list[Callable[[Liveness], None]] = []
         self._activities: list[Callable[[], str]] = []  # the operation this rank is stuck in
+        self._process = _process_identity()
+        self._writer.set(f"{_PROCESS}{rank}", self._process)  # before the counter: read with it
         self._beat()  # the key exists before anyone reads it
         self._thread = threading.Thread(target=self._run, name="gossamer-heartbeat", daemon=True)
         self._thread.start()
@@ -126,7 +143,7 @@ class Liveness:
         """Read every rank's counter; return the ranks lost (also added to :attr:`lost`)."""
         now = time.monotonic()
         ranks = [r for r in range(self._size) if r != self._rank and r not in self.lost]
-        keys = [f"{_PREFIX}{r}" for r in ranks]
+        keys = [f"{_PREFIX}{r}" for r in ranks] + [f"{_PROCESS}{r}" for r in ranks]
         try:
             with self._lock:
                 values = self._read(keys)
@@ -136,16 +153,18 @@ class Liveness:
             if self._store_host is not None and self._store_host != self._rank:
                 self.lost.add(self._store_host)
             return set(self.lost)
-        for rank, value in zip(ranks, values, strict=True):
-            if rank in tombstones:
-                self.lost.add(rank)
-                continue
+        counters, processes = values[: len(ranks)], values[len(ranks) :]
+        for rank, value, process in zip(ranks, counters, processes, strict=True):
             if value is None:
                 continue  # not started yet (still in init)
+            ended = _ended(process.decode() if process else "", self._process)
+            if rank in tombstones or ended:
+                self.lost.add(rank)
+                continue
             last = self._seen.get(rank)
             if last is None or last[0] != value:
                 self._seen[rank] = (value, now)
-            elif now - last[1] >= self.dead_after:
+            elif now - last[1] >= self.dead_after and ended is None:
                 self.lost.add(rank)
         return set(self.lost)
 
@@ -194,6 +213,43 @@ class Liveness:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * BEAT_S)
+
+
+def _stat(pid: int) -> tuple[str, str]:
+    """The state letter and the start time (clock ticks since boot) of process ``pid``."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2 :].split()  # the name, in parentheses, may hold spaces
+    return fields[0], fields[19]  # fields 3 and 22 of proc(5)
+
+
+def _process_identity() -> str:
+    """Where other processes of this kernel and pid namespace find this one; "" off Linux."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+        start = _stat(os.getpid())[1]
+    except (OSError, IndexError, ValueError):
+        return ""
+    return f"{boot} {namespace} {os.getpid()} {start}"
+
+
+def _ended(theirs: str, mine: str) -> bool | None:
+    """Whether the process ``theirs`` (a :func:`_process_identity`) has ended.
+
+    None when this process cannot tell (another machine or pid namespace, either identity
+    unknown) or when the process is stopped: its counter decides then.
+    """
+    parts = theirs.split(" ")  # boot id, pid namespace, pid, start time
+    if len(parts) != 4 or mine.split(" ")[:2] != parts[:2]:
+        return None
+    pid, start = parts[2:]
+    try:
+        state, started = _stat(int(pid))
+    except (OSError, IndexError, ValueError):
+        return True  # no such process
+    if started != start or state in ("Z", "X"):
+        return True  # another process took the pid, or a zombie not yet reaped
+    return None if state in ("T", "t") else False
 
 
 def get_liveness() -> Liveness | None:
