@@ -89,7 +89,7 @@ def _top_entries(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _entries_at(flat: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return indices, flat[indices]
+    return indices, flat.index_select(0, indices)
 
 
 def _largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
@@ -175,7 +175,9 @@ def _at_least_by_columns(flat: torch.Tensor, threshold: torch.Tensor) -> torch.T
 def _scatter(numel: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Return a zero vector of ``numel`` elements holding ``values`` at ``indices``."""
     out = torch.zeros(numel, dtype=values.dtype, device=values.device)
-    return out.index_put_((indices,), values)
+    # scatter_ and index_select, not advanced indexing: half and two thirds of its time on
+    # CPU (0.9 against 1.8 ms, 1.2 against 1.7 ms for 420 k of 5.26 M floats).
+    return out.scatter_(0, indices, values)
 
 
 class _Entries:
@@ -189,7 +191,7 @@ class _Entries:
     ) -> None:
         # Distinct indices: the dense sum, touching only the k entries.
         indices, values = self._entries(buffer, numel, dtype)
-        target.index_put_((indices,), values, accumulate=True)
+        target.scatter_add_(0, indices, values)
 
 
 @dataclass(frozen=True, repr=False)
@@ -340,7 +342,7 @@ class RandomK(_Entries, Seeded):
     def _encode(self, flat: torch.Tensor) -> torch.Tensor:
         numel, step = flat.numel(), self._next_step()
         indices, sizes = _stratified(numel, kept(numel, self.ratio), self.seed, step, self.cyclic)
-        values = flat[indices.to(flat.device)]
+        values = flat.index_select(0, indices.to(flat.device))
         if self.unbiased:
             cdt = compute_dtype(flat.dtype)
             values = (values.to(cdt) * sizes.to(flat.device, cdt)).to(flat.dtype)
