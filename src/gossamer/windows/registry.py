@@ -1,4 +1,4 @@
-"""The windows of one runtime: their progress service, its gloo group, the live windows.
+"""The windows of one runtime: their progress service, its gloo groups, the live windows.
 
 One :class:`Registry` is a component of the runtime (:func:`gossamer.context.runtime`), so
 ``shutdown`` frees every window and a new ``init`` starts from nothing.
@@ -35,7 +35,7 @@ class Registry:
         context.runtime().component("engine", Engine)
         self.windows: dict[str, Any] = {}
         self.service: Service | None = None
-        self._group: dist.ProcessGroup | None = None
+        self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
         self._ids = itertools.count(1)
         self._client: ThreadPoolExecutor | None = None
         # Operations in flight: future -> (what, when it started, the peers whose loss
@@ -99,11 +99,11 @@ class Registry:
     def start_service(self) -> Service | None:
         """The progress service, started if needed (collective on first use); None alone."""
         if self.service is None and context.size() > 1:
-            if self._group is None:
-                self._group = dist.new_group(
-                    backend="gloo", timeout=timedelta(seconds=context.timeout())
-                )
-            self.service = Service(self._group)
+            if self._groups is None:  # one per direction (see Service)
+                timeout = timedelta(seconds=context.timeout())
+                up = dist.new_group(backend="gloo", timeout=timeout)
+                self._groups = (up, dist.new_group(backend="gloo", timeout=timeout))
+            self.service = Service(self._groups)
         return self.service
 
     def stop_service_if_idle(self, ring: list[int] | None = None) -> None:

@@ -549,8 +549,6 @@ class Window:
                 src_weights, "src_weights", n, me, self.in_neighbors, "in-neighbours"
             )
         )
-        check_flag(require_mutex, "require_mutex", what)
-        check_flag(async_op, "async_op", what)
 
         def finish() -> None:
             with state.lock:
