@@ -24,6 +24,32 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.netbench.cluster import Cluster, format_rate, parse_rates, preflight
+from benchmarks.netbench.runner import job_arguments, run_job
+
+
+def _checked(convert, test, rule: str):
+    """An argparse ``type=``: ``convert(text)``, refused unless ``test(value)`` (``rule``)."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse
+
+
+def _rates(text: str) -> str:
+    try:
+        parse_rates(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
 
 def _cases(numel: int) -> dict:
     """The four exchanges of one rank, by name (collective to build: windows, groups)."""
@@ -71,7 +97,6 @@ def rank_main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     import gossamer
-    from benchmarks.netbench.runner import job_arguments
 
     parser = argparse.ArgumentParser()
     job_arguments(parser)
@@ -101,18 +126,18 @@ def rank_main(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the probe at every rate; print and write the table."""
-    from benchmarks.netbench.cluster import Cluster, format_rate, parse_rates, preflight
-    from benchmarks.netbench.runner import run_job
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="1gbit")
-    parser.add_argument("--hosts", type=int, default=4)
-    parser.add_argument("--mb", type=float, default=21.0, help="MB per neighbour and call")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rates", type=_rates, default="1gbit", help="e.g. 1gbit,100mbit")
+    parser.add_argument("--hosts", type=_checked(int, lambda n: n >= 2, ">= 2"), default=4)
+    parser.add_argument(
+        "--mb",
+        type=_checked(float, lambda x: x > 0, "> 0"),
+        default=21.0,
+        help="MB per neighbour and call",
+    )
+    parser.add_argument("--reps", type=_checked(int, lambda n: n >= 1, ">= 1"), default=5)
     parser.add_argument("--out", type=Path, default=Path("results/netbench-windows"))
     args = parser.parse_args(argv)
-    if args.hosts < 2 or args.reps < 1 or args.mb <= 0:
-        parser.error(f"needs --hosts >= 2, --reps >= 1, --mb > 0; got {vars(args)}")
     reason = preflight()
     if reason:
         print(f"netbench windows: cannot run: {reason}", file=sys.stderr)

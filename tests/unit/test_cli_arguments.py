@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import benchmarks.netbench.__main__ as netbench  # noqa: E402
+import benchmarks.netbench.windows as netbench_windows  # noqa: E402
 
 # (script, arguments, what stderr must name: the option, then the value).
 CASES = [
@@ -277,6 +278,30 @@ def test_netbench_checks_every_option_before_preflight(
         pytest.skip("this machine does not say which congestion controls it has")
     with pytest.raises(SystemExit) as exit_:
         netbench.main([*argv, "--out", "unused"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {option}:" in error
+    assert value in error
+
+
+@pytest.mark.parametrize(
+    ("argv", "option", "value"),
+    [
+        (["--rates", "5furlongs"], "--rates", "5furlongs"),
+        (["--hosts", "1"], "--hosts", "1"),
+        (["--hosts", "x"], "--hosts", "x"),
+        (["--reps", "0"], "--reps", "0"),
+        (["--mb", "0"], "--mb", "0"),
+        (["--mb", "nan"], "--mb", "nan"),
+    ],
+)
+def test_netbench_windows_checks_every_option_before_preflight(
+    argv, option, value, monkeypatch, capsys
+):
+    for name in ("preflight", "Cluster", "run_job"):
+        monkeypatch.setattr(netbench_windows, name, _unreachable)
+    with pytest.raises(SystemExit) as exit_:
+        netbench_windows.main([*argv, "--out", "unused"])
     assert exit_.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"argument {option}:" in error
