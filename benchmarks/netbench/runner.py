@@ -27,7 +27,7 @@ def job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--meta", default="{}", help="JSON merged into every row")
 
 
-__all__ = ["REPO", "run_job"]
+__all__ = ["REPO", "publish", "run_job"]
 
 REPO = Path(__file__).resolve().parents[2]
 RDZV_PORT = 29511
@@ -124,3 +124,11 @@ def _stop(procs: list[tuple[subprocess.Popen, Path]]) -> None:
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signum)
+
+
+def publish(out: Path, name: str, lines: list[str], rows: list[dict]) -> None:
+    """Print a table and write it to ``out/<name>.md``, its rows to ``out/<name>.json``."""
+    text = "\n".join(lines)
+    print(text)
+    (out / f"{name}.md").write_text(text + "\n")
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")

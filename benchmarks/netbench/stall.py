@@ -90,7 +90,7 @@ def _row(rank: int, done: list[float], killed: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Run the stall job at every rate; print and write the table."""
     from benchmarks.netbench.cluster import Cluster, format_rate, parse_rates, preflight
-    from benchmarks.netbench.runner import run_job
+    from benchmarks.netbench.runner import publish, run_job
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="1gbit,100mbit")
@@ -126,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{1000 * r['median_step_before_s']:.0f} | {1000 * r['longest_step_after_s']:.0f} | "
             f"{r['stall_s']:.2f} |"
         )
-    text = "\n".join(lines)
-    print(text)
-    (args.out / "stall.md").write_text(text + "\n")
-    (args.out / "stall.json").write_text(json.dumps(rows, indent=1) + "\n")
+    publish(args.out, "stall", lines, rows)
     return 0
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.netbench.cluster import Cluster, format_rate, parse_rates, preflight
-from benchmarks.netbench.runner import job_arguments, run_job
+from benchmarks.netbench.runner import job_arguments, publish, run_job
 
 
 def _checked(convert, test, rule: str):
@@ -163,10 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(
                 f"| {rate} | {r['case']} | {1000 * median:.1f} | {runs} | {median / raw:.2f} |"
             )
-    text = "\n".join(lines)
-    print(text)
-    (args.out / "windows.md").write_text(text + "\n")
-    (args.out / "windows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    publish(args.out, "windows", lines, rows)
     return 0
 
 
