@@ -33,6 +33,7 @@ from benchmarks.netbench.cluster import (
     parse_rates,
     preflight,
 )
+from benchmarks.netbench.runner import checked as _checked
 from benchmarks.netbench.runner import run_job
 from benchmarks.netbench.worker import MODELS, STRATEGIES, is_strategy
 
@@ -56,27 +57,6 @@ PRESETS = {
 }  # fmt: skip
 # With 2 ranks per host only what the layout adds is measured (beside DDP and the baseline).
 TWO_PER_HOST = ("compute", "ddp", "atc/one-peer", "hier-atc")
-
-
-def _checked(convert, test=None, rule: str = ""):
-    """An argparse ``type=``: ``convert(text)``, refused unless ``test(value)`` ("must be rule").
-
-    ``convert``'s ValueError becomes the option's error too, so every bad value is an
-    argparse error (exit code 2, the option and the value named) before :func:`preflight`.
-    """
-
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError as err:
-            name = getattr(convert, "__name__", "")
-            message = f"invalid {name} value: {text!r}" if name in ("int", "float") else err
-            raise argparse.ArgumentTypeError(str(message)) from None
-        if test is not None and not test(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
-        return value
-
-    return parse
 
 
 def _names(known: tuple[str, ...], what: str, *, allow_none: bool = False, accept=None):

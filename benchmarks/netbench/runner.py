@@ -27,7 +27,7 @@ def job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--meta", default="{}", help="JSON merged into every row")
 
 
-__all__ = ["REPO", "publish", "run_job"]
+__all__ = ["REPO", "checked", "publish", "run_job"]
 
 REPO = Path(__file__).resolve().parents[2]
 RDZV_PORT = 29511
@@ -132,3 +132,24 @@ def publish(out: Path, name: str, lines: list[str], rows: list[dict]) -> None:
     print(text)
     (out / f"{name}.md").write_text(text + "\n")
     (out / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def checked(convert, test=None, rule: str = ""):
+    """An argparse ``type=``: ``convert(text)``, refused unless ``test(value)`` ("must be rule").
+
+    ``convert``'s ValueError becomes the option's error too, so every bad value is an
+    argparse error (exit code 2, the option and the value named) before :func:`preflight`.
+    """
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError as err:
+            name = getattr(convert, "__name__", "")
+            message = f"invalid {name} value: {text!r}" if name in ("int", "float") else err
+            raise argparse.ArgumentTypeError(str(message)) from None
+        if test is not None and not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+
+    return parse

@@ -25,22 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.netbench.cluster import Cluster, format_rate, parse_rates, preflight
-from benchmarks.netbench.runner import job_arguments, publish, run_job
-
-
-def _checked(convert, test, rule: str):
-    """An argparse ``type=``: ``convert(text)``, refused unless ``test(value)`` (``rule``)."""
-
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            value = None
-        if value is None or not test(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
-        return value
-
-    return parse
+from benchmarks.netbench.runner import checked, job_arguments, publish, run_job
 
 
 def _rates(text: str) -> str:
@@ -128,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run the probe at every rate; print and write the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=_rates, default="1gbit", help="e.g. 1gbit,100mbit")
-    parser.add_argument("--hosts", type=_checked(int, lambda n: n >= 2, ">= 2"), default=4)
+    parser.add_argument("--hosts", type=checked(int, lambda n: n >= 2, ">= 2"), default=4)
     parser.add_argument(
         "--mb",
-        type=_checked(float, lambda x: x > 0, "> 0"),
+        type=checked(float, lambda x: x > 0, "> 0"),
         default=21.0,
         help="MB per neighbour and call",
     )
-    parser.add_argument("--reps", type=_checked(int, lambda n: n >= 1, ">= 1"), default=5)
+    parser.add_argument("--reps", type=checked(int, lambda n: n >= 1, ">= 1"), default=5)
     parser.add_argument("--out", type=Path, default=Path("results/netbench-windows"))
     args = parser.parse_args(argv)
     reason = preflight()
@@ -156,10 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in rows if r["rate"] == rate]
         raw = statistics.median(mine[0]["seconds"])
         for r in mine:
-            median, runs = (
-                statistics.median(r["seconds"]),
-                ", ".join(f"{1000 * t:.0f}" for t in r["seconds"]),
-            )
+            median = statistics.median(r["seconds"])
+            runs = ", ".join(f"{1000 * t:.0f}" for t in r["seconds"])
             lines.append(
                 f"| {rate} | {r['case']} | {1000 * median:.1f} | {runs} | {median / raw:.2f} |"
             )
